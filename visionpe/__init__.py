@@ -1,0 +1,33 @@
+"""visionpe: position encodings for vision and vision-language transformers.
+
+``import visionpe`` registers ``visionpe_vit_{tiny,small,base,large}_patch16_224`` with timm.
+"""
+
+from . import grid
+from . import absolute, bias, rotary  # noqa: F401  (importing them registers every scheme)
+from .attention import PosAttention, PosBlock, PositionContext
+from .base import AbsolutePositionEncoding, BiasPositionEncoding, PositionEncoding, RotaryPositionEncoding
+from .integrations import timm as _timm_models  # noqa: F401  (registers the timm models)
+from .models.convert import LoadReport, convert_timm_state_dict, load_timm_state_dict
+from .models.vit import VisionPEViT
+from .registry import create_pos_embed, list_schemes, register_scheme
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "grid",
+    "list_schemes",
+    "create_pos_embed",
+    "register_scheme",
+    "VisionPEViT",
+    "PosAttention",
+    "PosBlock",
+    "PositionContext",
+    "PositionEncoding",
+    "AbsolutePositionEncoding",
+    "RotaryPositionEncoding",
+    "BiasPositionEncoding",
+    "LoadReport",
+    "convert_timm_state_dict",
+    "load_timm_state_dict",
+]

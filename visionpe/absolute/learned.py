@@ -1,0 +1,88 @@
+"""Learned absolute position embedding: Dosovitskiy et al., "An Image is Worth 16x16 Words", ICLR 2021.
+
+E in R^{(P_e + H0 W0) x C}, trunc-normal(0.02). With class rows (P_e = P, timm/ViT default) the prefix is
+concatenated, then E added; with ``no_embed_class`` (DeiT III) E is added to patches only. At another grid
+the patch rows are resampled (bicubic, antialias, fp32) and the prefix rows kept, as timm's
+``resample_abs_pos_embed`` does; the old grid is always passed explicitly (it need not be square).
+"""
+
+from __future__ import annotations
+
+import torch
+from timm.layers import resample_abs_pos_embed, trunc_normal_
+from torch import nn
+
+from ..base import AbsolutePositionEncoding
+from ..grid import validate_grid_size
+from ..registry import register_scheme
+
+__all__ = ["LearnedPosEmbed"]
+
+_INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
+
+
+@register_scheme("learned")
+class LearnedPosEmbed(AbsolutePositionEncoding):
+    """Learned table for a 2D training grid, resampled for other grids.
+
+    Args:
+        dim: model width.
+        grid_size: training grid (H0, W0); the model passes its patch grid.
+        num_prefix_tokens: cls + register tokens; with ``no_embed_class=False`` the table has a row for each.
+        no_embed_class: DeiT-III form, no rows for prefix tokens.
+        interpolation: resampling mode (``bicubic`` as timm, ``bilinear`` for the LookHere protocol).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 1,
+        depth: int = 1,
+        grid_size: tuple[int, int] = (14, 14),
+        num_prefix_tokens: int = 1,
+        no_embed_class: bool = False,
+        interpolation: str = "bicubic",
+        antialias: bool = True,
+    ) -> None:
+        super().__init__()
+        self.grid_size = validate_grid_size(grid_size, ndims=(2,))
+        if interpolation not in _INTERPOLATIONS:
+            raise ValueError(f"interpolation must be one of {_INTERPOLATIONS}, got {interpolation!r}")
+        self.num_prefix_tokens, self.no_embed_class = num_prefix_tokens, no_embed_class
+        self.interpolation, self.antialias = interpolation, antialias
+        self.num_embed_prefix = 0 if no_embed_class else num_prefix_tokens
+        num_rows = self.num_embed_prefix + self.grid_size[0] * self.grid_size[1]
+        self.pos_embed = nn.Parameter(trunc_normal_(torch.zeros(1, num_rows, dim), std=0.02))
+
+    def resampled(self, grid_size: tuple[int, int]) -> torch.Tensor:
+        """The table for ``grid_size``: (1, P_e + H W, C); the same tensor when the grid is unchanged."""
+        grid_size = self.check_grid(grid_size)
+        if grid_size == self.grid_size:
+            return self.pos_embed
+        return resample_abs_pos_embed(
+            self.pos_embed,
+            new_size=list(grid_size),
+            old_size=list(self.grid_size),
+            num_prefix_tokens=self.num_embed_prefix,
+            interpolation=self.interpolation,
+            antialias=self.antialias,
+        )
+
+    def forward(self, x: torch.Tensor, grid_size: tuple[int, ...], num_prefix_tokens: int) -> torch.Tensor:
+        if num_prefix_tokens != self.num_prefix_tokens:
+            raise ValueError(
+                f"learned table was built for {self.num_prefix_tokens} prefix tokens, got {num_prefix_tokens}"
+            )
+        pos_embed = self.resampled(grid_size)
+        if self.no_embed_class and num_prefix_tokens:
+            return torch.cat([x[:, :num_prefix_tokens], x[:, num_prefix_tokens:] + pos_embed], dim=1)
+        return x + pos_embed
+
+    def set_grid_size(self, grid_size: tuple[int, ...]) -> None:
+        """Resample the stored table to a new nominal grid (``model.set_input_size``)."""
+        grid_size = self.check_grid(grid_size)
+        if grid_size != self.grid_size:
+            with torch.no_grad():
+                table = self.resampled(grid_size)
+            self.pos_embed = nn.Parameter(table, requires_grad=self.pos_embed.requires_grad)
+            self.grid_size = grid_size

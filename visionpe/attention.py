@@ -1,0 +1,111 @@
+"""One attention module for all three kinds of position encoding, built on timm's Attention and Block.
+
+A :class:`PositionContext` is built once per forward by the model: the rotary schemes' states (cos/sin for
+every layer) and the bias schemes' states (bucket ids, distances). Each block receives it, the way timm's
+Eva passes ``rope``, and picks its own layer. Attention runs through ``scaled_dot_product_attention`` with
+the summed logit bias as ``attn_mask``; only schemes that add a value term (``needs_probs``) take the
+explicit path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Attention
+from timm.models.vision_transformer import Block
+
+from .base import BiasPositionEncoding, RotaryPositionEncoding
+
+__all__ = ["PositionContext", "PosAttention", "PosBlock"]
+
+
+@dataclass
+class PositionContext:
+    """Per-forward position state shared by all blocks."""
+
+    rotary: list[tuple[RotaryPositionEncoding, Any]] = field(default_factory=list)
+    bias: list[tuple[BiasPositionEncoding, Any]] = field(default_factory=list)
+
+    @property
+    def needs_probs(self) -> bool:
+        return any(scheme.needs_probs for scheme, _ in self.bias)
+
+
+class PosAttention(Attention):
+    """timm ``Attention`` that rotates q/k and adds logit biases from a :class:`PositionContext`."""
+
+    def __init__(self, *args, layer: int = 0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.layer = layer
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        pos: PositionContext | None = None,
+    ) -> torch.Tensor:
+        if pos is None or not (pos.rotary or pos.bias):
+            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
+        B, N, _ = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if pos.rotary:
+            # q and k rotate together: one pass over both per scheme
+            qk = torch.stack((q, k)) if not isinstance(self.q_norm, torch.nn.Identity) else qkv[:2]
+            for scheme, state in pos.rotary:
+                qk = scheme.apply(qk, state, self.layer)
+            q, k = qk.unbind(0)
+
+        bias = attn_mask
+        for scheme, state in pos.bias:
+            term = scheme.attn_bias(q, k, state, self.layer)
+            bias = term if bias is None else bias + term
+        if bias is not None:
+            bias = bias.to(q.dtype)
+
+        if self.fused_attn and not pos.needs_probs:
+            x = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, dropout_p=self.attn_drop.p if self.training else 0.0, is_causal=is_causal
+            )
+        else:
+            attn = (q * self.scale) @ k.transpose(-2, -1)
+            if bias is not None:
+                attn = attn + bias
+            if is_causal:
+                attn = attn.masked_fill(torch.ones(N, N, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+            attn = self.attn_drop(attn.softmax(dim=-1))
+            x = attn @ v
+            for scheme, state in pos.bias:
+                if scheme.needs_probs:
+                    x = x + scheme.value_term(attn, state, self.layer)
+
+        x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
+        x = self.norm(x)
+        if gate is not None:
+            x = x * gate
+        return self.proj_drop(self.proj(x))
+
+
+class PosBlock(Block):
+    """timm ``Block`` whose attention is :class:`PosAttention` and that forwards the position context."""
+
+    def __init__(self, *args, depth: int = 0, **kwargs) -> None:
+        kwargs["attn_layer"] = PosAttention
+        super().__init__(*args, depth=depth, **kwargs)
+        self.attn.layer = depth
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        pos: PositionContext | None = None,
+    ) -> torch.Tensor:
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal, pos=pos)))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))

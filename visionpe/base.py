@@ -1,0 +1,133 @@
+"""The three ways a position encoding enters a ViT, as base classes the model and attention rely on.
+
+- :class:`AbsolutePositionEncoding` adds to (or transforms) the token sequence, before the blocks or
+  after the blocks named in ``insert_after``.
+- :class:`RotaryPositionEncoding` rotates q and k inside attention. ``prepare`` turns coordinates into a
+  per-forward state once (e.g. cos/sin for every layer); ``apply`` uses it in each block.
+- :class:`BiasPositionEncoding` adds to the attention logits; it may depend on q (contextual terms) and
+  may add a value term, which needs the attention probabilities.
+
+Prefix tokens (cls, registers) come first in the sequence and get no position: identity rotation, zero bias.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .grid import grid_coords, validate_grid_size
+
+__all__ = [
+    "PositionEncoding",
+    "AbsolutePositionEncoding",
+    "RotaryPositionEncoding",
+    "BiasPositionEncoding",
+    "check_coords",
+]
+
+
+def check_coords(coords: torch.Tensor, ndims: tuple[int, ...], scheme: str) -> torch.Tensor:
+    """Validate a ``(N, ndim)`` coordinate tensor for a scheme that supports ``ndims`` axes."""
+    if not isinstance(coords, torch.Tensor):
+        raise TypeError(f"coords must be a torch.Tensor of shape (N, ndim), got {type(coords).__name__}")
+    if coords.ndim != 2:
+        raise ValueError(f"coords must have shape (N, ndim), got shape {tuple(coords.shape)}")
+    if coords.shape[1] not in ndims:
+        raise ValueError(
+            f"{scheme} supports coordinates with {' or '.join(map(str, ndims))} axes, "
+            f"got coords with {coords.shape[1]} axes (shape {tuple(coords.shape)})"
+        )
+    if not coords.is_floating_point():
+        coords = coords.float()
+    if not torch.isfinite(coords).all():
+        raise ValueError(f"coords must be finite, got NaN or inf in {scheme} coordinates")
+    return coords
+
+
+class PositionEncoding(nn.Module):
+    """Common interface. Subclasses set ``kind`` and ``ndims`` (the grid ranks they support)."""
+
+    kind: ClassVar[str] = ""
+    ndims: ClassVar[tuple[int, ...]] = (2,)
+    coord_mode: str = "index"
+
+    def check_grid(self, grid_size: tuple[int, ...]) -> tuple[int, ...]:
+        grid_size = validate_grid_size(grid_size)
+        if len(grid_size) not in self.ndims:
+            raise ValueError(
+                f"{type(self).__name__} supports {' or '.join(f'{n}D' for n in self.ndims)} grids, "
+                f"got a {len(grid_size)}D grid_size {grid_size}"
+            )
+        return grid_size
+
+    def coords(self, grid_size: tuple[int, ...], device=None) -> torch.Tensor:
+        """Patch coordinates in this scheme's coordinate mode, ``(N, ndim)``."""
+        return grid_coords(self.check_grid(grid_size), mode=self.coord_mode, device=device)
+
+    def set_grid_size(self, grid_size: tuple[int, ...]) -> None:  # noqa: B027 - optional hook
+        """Called when the model's nominal grid changes (``set_input_size``); tables may resample."""
+
+
+class AbsolutePositionEncoding(PositionEncoding, ABC):
+    """Added to tokens. ``insert_after`` empty: applied once, before the blocks; else after those blocks."""
+
+    kind = "absolute"
+    insert_after: tuple[int, ...] = ()
+
+    @abstractmethod
+    def forward(self, x: torch.Tensor, grid_size: tuple[int, ...], num_prefix_tokens: int) -> torch.Tensor:
+        """``x``: (B, num_prefix_tokens + N, C) -> same shape."""
+
+
+class RotaryPositionEncoding(PositionEncoding, ABC):
+    """Rotates q and k. ``state`` is whatever ``prepare`` returns; it is built once per forward."""
+
+    kind = "rotary"
+
+    @abstractmethod
+    def prepare(self, coords: torch.Tensor, num_prefix_tokens: int = 0) -> Any:
+        """Per-forward state from patch ``coords`` (N, ndim); prefix rows get the identity."""
+
+    @abstractmethod
+    def apply(self, qk: torch.Tensor, state: Any, layer: int) -> torch.Tensor:
+        """``qk``: (..., B, num_heads, num_prefix_tokens + N, head_dim), q and k stacked in front."""
+
+    def rotate(self, x: torch.Tensor, coords: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """Rotate ``x`` (B, num_heads, N, head_dim) by the positions ``coords`` (N, ndim).
+
+        Every token of ``x`` is rotated; the model passes prefix tokens separately and leaves them as they are.
+        """
+        if not isinstance(x, torch.Tensor) or x.ndim != 4:
+            raise ValueError(
+                f"x must be a (B, num_heads, N, head_dim) tensor, got "
+                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+            )
+        coords = check_coords(coords, self.ndims, type(self).__name__)
+        if coords.shape[0] != x.shape[2]:
+            raise ValueError(f"coords has {coords.shape[0]} rows but x has {x.shape[2]} tokens (dim 2)")
+        return self.apply(x, self.prepare(coords.to(x.device), 0), layer)
+
+
+class BiasPositionEncoding(PositionEncoding, ABC):
+    """Adds to attention logits (already divided by sqrt(head_dim)).
+
+    ``needs_probs``: the scheme adds a value term from the attention probabilities, so attention runs explicitly.
+    """
+
+    kind = "bias"
+    needs_probs: bool = False
+
+    @abstractmethod
+    def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> Any:
+        """Per-forward state for a grid (e.g. bucket ids or distances)."""
+
+    @abstractmethod
+    def attn_bias(self, q: torch.Tensor, k: torch.Tensor, state: Any, layer: int) -> torch.Tensor:
+        """Additive logits, broadcastable to (B, num_heads, N_total, N_total)."""
+
+    def value_term(self, attn: torch.Tensor, state: Any, layer: int) -> torch.Tensor:
+        """Extra attention output from the probabilities ``attn`` (B, num_heads, N, N)."""
+        raise RuntimeError(f"{type(self).__name__} sets needs_probs=False and has no value term")

@@ -1,0 +1,107 @@
+"""Token coordinates for 2D (h, w) and 3D (t, h, w) patch grids: the one place coordinates are built.
+
+Tokens are stored row-major (k = y * W + x for 2D, k = (t * H + y) * W + x for 3D). The coordinate
+columns follow the grid axes: ``(y, x)`` for 2D and ``(t, y, x)`` for 3D. Prefix tokens (cls and
+registers) come before the patch tokens and have no grid coordinate; see :func:`prefix_mask`.
+
+Coordinate modes (SCHEMES.md §0):
+
+- ``index``: integer positions, x in {0..W-1};
+- ``centered``: i - (n - 1) / 2;
+- ``normalized``: (i + 0.5) / n, in (0, 1);
+- ``ref_scaled``: i * n_ref / n, position interpolation to a reference grid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["COORD_MODES", "grid_coords", "prefix_mask", "validate_grid_size"]
+
+COORD_MODES = ("index", "centered", "normalized", "ref_scaled")
+
+
+def validate_grid_size(grid_size: Sequence[int], name: str = "grid_size", ndims: Sequence[int] = (2, 3)) -> tuple:
+    """Check that ``grid_size`` is a tuple of positive ints with an allowed length; return it as a tuple."""
+    if isinstance(grid_size, torch.Tensor):
+        grid_size = grid_size.tolist()
+    if not isinstance(grid_size, (tuple, list)):
+        raise TypeError(f"{name} must be a tuple of ints, got {type(grid_size).__name__}")
+    if len(grid_size) not in ndims:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} entries, got {len(grid_size)}: {grid_size}")
+    out = []
+    for i, g in enumerate(grid_size):
+        if isinstance(g, bool) or not isinstance(g, int):
+            raise TypeError(f"{name}[{i}] must be an int, got {type(g).__name__} ({g!r})")
+        if g <= 0:
+            raise ValueError(f"{name}[{i}] must be positive, got {g}")
+        out.append(g)
+    return tuple(out)
+
+
+def _axis(n: int, mode: str, n_ref: int | None, device) -> torch.Tensor:
+    i = torch.arange(n, device=device, dtype=torch.float32)
+    if mode == "index":
+        return i
+    if mode == "centered":
+        return i - (n - 1) / 2
+    if mode == "normalized":
+        return (i + 0.5) / n
+    return i * (n_ref / n)
+
+
+def grid_coords(
+    grid_size: Sequence[int],
+    mode: str = "index",
+    ref_grid_size: Sequence[int] | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Coordinates of the patch tokens of a grid, row-major, in fp32.
+
+    Args:
+        grid_size: ``(H, W)`` or ``(T, H, W)``.
+        mode: one of ``index``, ``centered``, ``normalized``, ``ref_scaled``.
+        ref_grid_size: the training grid, required by ``ref_scaled`` (same length as ``grid_size``).
+        device: output device.
+
+    Returns:
+        ``(N, ndim)`` float32 tensor, columns ``(y, x)`` or ``(t, y, x)``, ``N = prod(grid_size)``.
+
+    Example:
+        >>> grid_coords((2, 3))
+        tensor([[0., 0.],
+                [0., 1.],
+                [0., 2.],
+                [1., 0.],
+                [1., 1.],
+                [1., 2.]])
+        >>> grid_coords((1, 4), mode="centered")[:, 1]
+        tensor([-1.5000, -0.5000,  0.5000,  1.5000])
+    """
+    grid_size = validate_grid_size(grid_size)
+    if mode not in COORD_MODES:
+        raise ValueError(f"mode must be one of {COORD_MODES}, got {mode!r}")
+    if mode == "ref_scaled":
+        if ref_grid_size is None:
+            raise ValueError("mode='ref_scaled' needs ref_grid_size (the training grid), got None")
+        ref_grid_size = validate_grid_size(ref_grid_size, "ref_grid_size", ndims=(len(grid_size),))
+    else:
+        ref_grid_size = (None,) * len(grid_size)
+    axes = [_axis(n, mode, r, device) for n, r in zip(grid_size, ref_grid_size)]
+    return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, len(grid_size))
+
+
+def prefix_mask(num_prefix_tokens: int, num_patches: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Boolean ``(num_prefix_tokens + num_patches,)`` mask, True on prefix (cls/register) tokens.
+
+    Example:
+        >>> prefix_mask(1, 3)
+        tensor([ True, False, False, False])
+    """
+    if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
+        raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
+    mask = torch.zeros(num_prefix_tokens + num_patches, dtype=torch.bool, device=device)
+    mask[:num_prefix_tokens] = True
+    return mask

@@ -1,0 +1,1 @@
+"""Integrations at the edge: timm model registration (and Hugging Face, open_clip)."""

@@ -1,0 +1,1 @@
+"""The timm ViT with pluggable position encodings, and state-dict conversion."""

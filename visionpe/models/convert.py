@@ -1,0 +1,102 @@
+"""Load a vanilla timm ViT state dict into a visionpe ViT with any position scheme."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from timm.layers import resample_abs_pos_embed
+from torch import nn
+
+__all__ = ["LoadReport", "convert_timm_state_dict", "load_timm_state_dict"]
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_timm_state_dict` did: keys kept at init (``added``), ignored (``dropped``), resampled."""
+
+    added: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    resampled: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return f"added (kept init): {self.added}\ndropped: {self.dropped}\nresampled: {self.resampled}"
+
+
+def convert_timm_state_dict(
+    state_dict: Mapping[str, torch.Tensor], model: nn.Module
+) -> tuple[dict[str, torch.Tensor], LoadReport]:
+    """Map a timm ``VisionTransformer`` state dict onto ``model`` (a :class:`VisionPEViT`).
+
+    Weights whose name and shape match are kept. The absolute table ``pos_embed`` goes to the model's
+    ``learned`` scheme, resampled to its grid (prefix rows kept or dropped to match), or is dropped when the
+    model has no learned table. Returns the new state dict and a report.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
+    if not hasattr(model, "pos_schemes"):
+        raise TypeError(f"model must be a visionpe VisionPEViT, got {type(model).__name__}")
+    state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
+    target = model.state_dict()
+    out, report = {}, LoadReport()
+    for key, value in state_dict.items():
+        if key == "pos_embed" and "learned" in model.pos_schemes:
+            learned = model.pos_schemes["learned"]
+            new_key = "pos_schemes.learned.pos_embed"
+            num_src_prefix = value.shape[1] - _infer_patches(value.shape[1], model.num_prefix_tokens)
+            src_grid = _square_grid(value.shape[1] - num_src_prefix, key)
+            prefix, patches = value[:, :num_src_prefix], value[:, num_src_prefix:]
+            if src_grid != learned.grid_size:
+                patches = resample_abs_pos_embed(
+                    patches, new_size=list(learned.grid_size), old_size=list(src_grid), num_prefix_tokens=0,
+                    interpolation=learned.interpolation, antialias=learned.antialias,
+                )
+                report.resampled.append(f"{key} -> {new_key} ({src_grid} -> {learned.grid_size})")
+            prefix = prefix[:, : learned.num_embed_prefix]
+            if prefix.shape[1] < learned.num_embed_prefix:  # e.g. registers the source model did not have
+                prefix = torch.cat([prefix, target[new_key][:, prefix.shape[1] : learned.num_embed_prefix]], 1)
+            out[new_key] = torch.cat([prefix, patches], dim=1)
+        elif key in target and target[key].shape == value.shape:
+            out[key] = value
+        else:
+            reason = "not in model" if key not in target else f"shape {tuple(value.shape)} != {tuple(target[key].shape)}"
+            report.dropped.append(f"{key} ({reason})")
+    report.added = [k for k in target if k not in out]
+    return out, report
+
+
+def load_timm_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> LoadReport:
+    """Load a vanilla timm ViT ``state_dict`` into ``model``; new position parameters keep their init.
+
+    Example:
+        >>> import timm, visionpe
+        >>> src = timm.create_model("vit_tiny_patch16_224", num_classes=10)
+        >>> dst = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed="rope_mixed", num_classes=10)
+        >>> report = visionpe.load_timm_state_dict(dst, src.state_dict())
+        >>> report.added, [d.split()[0] for d in report.dropped]
+        (['pos_schemes.rope_mixed.freqs'], ['pos_embed'])
+    """
+    new_state, report = convert_timm_state_dict(state_dict, model)
+    model.load_state_dict(new_state, strict=False)
+    return report
+
+
+def _infer_patches(num_rows: int, num_prefix_tokens: int) -> int:
+    """Patch rows of a timm table: a perfect square after removing 0..num_prefix_tokens prefix rows."""
+    for prefix in range(num_prefix_tokens, -1, -1):
+        side = int(round((num_rows - prefix) ** 0.5))
+        if side * side == num_rows - prefix:
+            return num_rows - prefix
+    for prefix in range(0, 9):  # registers in the source that the target lacks
+        side = int(round((num_rows - prefix) ** 0.5))
+        if side * side == num_rows - prefix:
+            return num_rows - prefix
+    raise ValueError(f"cannot infer the grid of a pos_embed with {num_rows} rows (not square after prefix rows)")
+
+
+def _square_grid(num_patches: int, key: str) -> tuple[int, int]:
+    side = int(round(num_patches**0.5))
+    if side * side != num_patches:
+        raise ValueError(f"{key} has {num_patches} patch rows, which is not a square grid")
+    return side, side

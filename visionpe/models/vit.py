@@ -1,0 +1,178 @@
+"""A timm VisionTransformer whose position encoding is chosen by name.
+
+``VisionPEViT`` subclasses timm's ``VisionTransformer`` (patch embed, prefix tokens, pooling, head, init and
+``set_input_size`` all come from timm) and replaces only what position encodings touch: the absolute table,
+the blocks (so that each receives a :class:`~visionpe.attention.PositionContext`) and ``forward_features``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..attention import PositionContext, PosBlock
+from ..base import AbsolutePositionEncoding
+from ..registry import create_pos_embed, get_scheme_class
+
+__all__ = ["VisionPEViT", "normalize_schemes"]
+
+
+def normalize_schemes(
+    pos_embed: str | Sequence[str], pos_embed_kwargs: dict[str, Any] | None
+) -> dict[str, dict[str, Any]]:
+    """``pos_embed`` and ``pos_embed_kwargs`` as {scheme name: its options}, validated.
+
+    ``pos_embed_kwargs`` is either keyed by scheme name or, for a single scheme, the options themselves.
+    """
+    names = [pos_embed] if isinstance(pos_embed, str) else list(pos_embed) if pos_embed is not None else None
+    if not names or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"pos_embed must be a scheme name or a non-empty list of names, got {pos_embed!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"pos_embed lists a scheme twice: {names}")
+    for name in names:
+        get_scheme_class(name)  # raises on unknown names, listing the valid ones
+    kwargs = dict(pos_embed_kwargs or {})
+    if not isinstance(pos_embed_kwargs or {}, dict):
+        raise TypeError(f"pos_embed_kwargs must be a dict, got {type(pos_embed_kwargs).__name__}")
+    if not kwargs or all(k in names for k in kwargs):
+        per_scheme = kwargs
+    elif len(names) == 1:
+        per_scheme = {names[0]: kwargs}
+    else:
+        raise ValueError(
+            f"with several schemes {names}, pos_embed_kwargs must be keyed by scheme name, got keys {list(kwargs)}"
+        )
+    for name, opts in per_scheme.items():
+        if not isinstance(opts, dict):
+            raise TypeError(f"pos_embed_kwargs[{name!r}] must be a dict, got {type(opts).__name__}")
+    return {name: dict(per_scheme.get(name, {})) for name in names}
+
+
+class VisionPEViT(VisionTransformer):
+    """timm ViT with pluggable position encodings.
+
+    Args:
+        pos_embed: scheme name or list of names (``["learned", "rope_mixed"]`` is rope-vit's Mixed + APE).
+        pos_embed_kwargs: options per scheme, ``{"rope_axial": {"base": 100}}`` (or flat for one scheme).
+        **kwargs: timm ``VisionTransformer`` arguments (``img_size``, ``dynamic_img_size``, ``class_token``...).
+
+    Input ``(B, 3, H, W)`` -> logits ``(B, num_classes)``.
+    """
+
+    def __init__(
+        self,
+        pos_embed: str | Sequence[str] = "learned",
+        pos_embed_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        schemes = normalize_schemes(pos_embed, pos_embed_kwargs)
+        if kwargs.get("patch_drop_rate", 0.0) > 0 and any(get_scheme_class(n).kind != "absolute" for n in schemes):
+            raise ValueError(
+                "patch_drop_rate > 0 is supported with absolute schemes only, got "
+                f"pos_embed={list(schemes)} with patch_drop_rate={kwargs['patch_drop_rate']}"
+            )
+        for key in ("block_fn", "attn_layer"):
+            if key in kwargs:
+                raise ValueError(f"{key} is set by VisionPEViT, got {key}={kwargs[key]!r}")
+        super().__init__(pos_embed="none", block_fn=PosBlock, **kwargs)
+        depth, num_heads = len(self.blocks), self.blocks[0].attn.num_heads
+        context = {"grid_size": tuple(self.patch_embed.grid_size), "num_prefix_tokens": self.num_prefix_tokens}
+        self.pos_schemes = nn.ModuleDict()
+        for name, opts in schemes.items():
+            params = inspect.signature(get_scheme_class(name).__init__).parameters
+            extra = {k: v for k, v in context.items() if k in params and k not in opts}
+            self.pos_schemes[name] = create_pos_embed(
+                name, dim=self.embed_dim, num_heads=num_heads, depth=depth, **extra, **opts
+            )
+        self.pos_embed_names = list(schemes)
+
+    # -- position state -------------------------------------------------------------------------------------
+    def _schemes(self, kind: str) -> list[nn.Module]:
+        return [m for m in self.pos_schemes.values() if m.kind == kind]
+
+    def position_context(self, grid_size: tuple[int, ...], device: torch.device) -> PositionContext:
+        """Rotary and bias states for ``grid_size``, built once per forward for all blocks."""
+        ctx = PositionContext()
+        for scheme in self._schemes("rotary"):
+            ctx.rotary.append((scheme, scheme.prepare(scheme.coords(grid_size, device), self.num_prefix_tokens)))
+        for scheme in self._schemes("bias"):
+            ctx.bias.append((scheme, scheme.prepare(scheme.check_grid(grid_size), self.num_prefix_tokens, device)))
+        return ctx
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or x.ndim != 4:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be an image batch (B, C, H, W), got {shape}")
+        height, width = x.shape[-2:]
+        ph, pw = self.patch_embed.patch_size
+        if self.dynamic_img_size:
+            if not self.patch_embed.dynamic_img_pad and (height % ph or width % pw):
+                raise ValueError(
+                    f"image size {height}x{width} is not divisible by the patch size {ph}x{pw}; "
+                    "resize it or create the model with dynamic_img_pad=True"
+                )
+        elif (height, width) != tuple(self.patch_embed.img_size):
+            raise ValueError(
+                f"image size {height}x{width} does not match the model's img_size "
+                f"{tuple(self.patch_embed.img_size)}; create it with dynamic_img_size=True or call set_input_size()"
+            )
+
+    def _pos_embed_grid(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        """Patch tokens (NHWC or NLC) -> prefix + patches with absolute encodings, and the grid size."""
+        grid_size = tuple(x.shape[1:3]) if self.dynamic_img_size else tuple(self.patch_embed.grid_size)
+        x = super()._pos_embed(x)  # timm: concatenate prefix tokens (its own table is None)
+        for scheme in self._schemes("absolute"):
+            if not scheme.insert_after:
+                x = scheme(x, grid_size, self.num_prefix_tokens)
+        return self.pos_drop(x), grid_size
+
+    def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
+        return self._pos_embed_grid(x)[0]
+
+    def forward_features(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
+    ) -> torch.Tensor:
+        """(B, C, H, W) images -> (B, num_prefix_tokens + N, C) normalised tokens."""
+        self._check_input(x)
+        x, grid_size = self._pos_embed_grid(self.patch_embed(x))
+        x = self.norm_pre(self.patch_drop(x))
+        ctx = self.position_context(grid_size, x.device)
+        inserts = [m for m in self._schemes("absolute") if m.insert_after]
+        for i, blk in enumerate(self.blocks):
+            if self.grad_checkpointing and self.training and not torch.jit.is_scripting():
+                x = checkpoint(blk, x, attn_mask, is_causal, ctx, use_reentrant=False)
+            else:
+                x = blk(x, attn_mask=attn_mask, is_causal=is_causal, pos=ctx)
+            for scheme in inserts:
+                if i in scheme.insert_after:
+                    x = scheme(x, grid_size, self.num_prefix_tokens)
+        return self.norm(x)
+
+    def forward_intermediates(self, *args, **kwargs):
+        raise TypeError(
+            "VisionPEViT does not support forward_intermediates; use forward_features, which returns "
+            "(B, num_prefix_tokens + N, C) tokens"
+        )
+
+    @torch.jit.ignore
+    def set_input_size(self, img_size=None, patch_size=None) -> None:
+        """timm's ``set_input_size``; learned tables are resampled, rotary tables follow the grid by design."""
+        super().set_input_size(img_size=img_size, patch_size=patch_size)
+        for scheme in self.pos_schemes.values():
+            scheme.set_grid_size(tuple(self.patch_embed.grid_size))
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        skip = set(super().no_weight_decay())
+        for name, scheme in self.pos_schemes.items():
+            if hasattr(scheme, "no_weight_decay"):
+                skip |= {f"pos_schemes.{name}.{p}" for p in scheme.no_weight_decay()}
+            if isinstance(scheme, AbsolutePositionEncoding) and hasattr(scheme, "pos_embed"):
+                skip.add(f"pos_schemes.{name}.pos_embed")
+        return skip

@@ -1,0 +1,1 @@
+"""Multimodal (VLM) position ids and rotary frequency allocation."""

@@ -1,0 +1,82 @@
+"""One registry that maps scheme names to the classes that build them.
+
+Every scheme module registers itself with :func:`register_scheme`; :func:`create_pos_embed` builds one by
+name with the model's dimensions, and fails early with a message naming the valid schemes or arguments.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+from torch import nn
+
+__all__ = ["register_scheme", "list_schemes", "create_pos_embed", "get_scheme_class"]
+
+_SCHEMES: dict[str, type[nn.Module]] = {}
+
+
+def register_scheme(name: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
+    """Class decorator: make ``cls`` available as ``create_pos_embed(name, ...)``."""
+
+    def wrap(cls: type[nn.Module]) -> type[nn.Module]:
+        if name in _SCHEMES and _SCHEMES[name] is not cls:
+            raise ValueError(f"scheme name {name!r} is already registered to {_SCHEMES[name].__name__}")
+        _SCHEMES[name] = cls
+        cls.scheme_name = name
+        return cls
+
+    return wrap
+
+
+def list_schemes(kind: str | None = None) -> list[str]:
+    """Sorted names of the registered vision schemes, optionally only one kind.
+
+    Args:
+        kind: ``"absolute"``, ``"rotary"``, ``"bias"`` or None for all.
+
+    Example:
+        >>> import visionpe
+        >>> "rope_mixed" in visionpe.list_schemes("rotary")
+        True
+    """
+    kinds = ("absolute", "rotary", "bias")
+    if kind is not None and kind not in kinds:
+        raise ValueError(f"kind must be one of {kinds} or None, got {kind!r}")
+    return sorted(n for n, c in _SCHEMES.items() if kind is None or c.kind == kind)
+
+
+def get_scheme_class(name: str) -> type[nn.Module]:
+    if not isinstance(name, str):
+        raise TypeError(f"scheme name must be a str, got {type(name).__name__} ({name!r})")
+    if name not in _SCHEMES:
+        raise ValueError(f"unknown position scheme {name!r}; valid names: {', '.join(list_schemes())}")
+    return _SCHEMES[name]
+
+
+def create_pos_embed(name: str, *, dim: int, num_heads: int, depth: int = 1, **kwargs) -> nn.Module:
+    """Build the position scheme ``name`` for a model of width ``dim`` with ``num_heads`` heads and ``depth`` blocks.
+
+    Per-scheme options go in ``kwargs``; an option the scheme does not take raises ValueError naming it.
+
+    Example:
+        >>> import visionpe
+        >>> rope = visionpe.create_pos_embed("rope_axial", dim=384, num_heads=6, depth=12)
+        >>> rope.kind
+        'rotary'
+    """
+    cls = get_scheme_class(name)
+    for arg, value in (("dim", dim), ("num_heads", num_heads), ("depth", depth)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{arg} must be an int, got {type(value).__name__} ({value!r})")
+        if value <= 0:
+            raise ValueError(f"{arg} must be positive, got {value}")
+    if dim % num_heads:
+        raise ValueError(f"dim must be divisible by num_heads, got dim={dim}, num_heads={num_heads}")
+    params = inspect.signature(cls.__init__).parameters
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    unknown = [k for k in kwargs if k not in params or k in ("self", "dim", "num_heads", "depth")]
+    if unknown and not accepts_any:
+        valid = [k for k in params if k not in ("self", "dim", "num_heads", "depth")]
+        raise ValueError(f"{name} got unknown option(s) {unknown}; valid options: {valid}")
+    return cls(dim=dim, num_heads=num_heads, depth=depth, **kwargs)

@@ -1,0 +1,10 @@
+"""Schemes that rotate q and k: rope_axial, rope_mixed (and the Lie-group family).
+
+One file per scheme; importing this package imports every scheme module, which registers it by name.
+"""
+
+import importlib as _importlib
+import pkgutil as _pkgutil
+
+for _module in _pkgutil.iter_modules(__path__):
+    _importlib.import_module(f"{__name__}.{_module.name}")

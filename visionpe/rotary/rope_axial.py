@@ -1,0 +1,81 @@
+"""RoPE-Axial: Heo et al., "Rotary Position Embedding for Vision Transformer", ECCV 2024 (naver-ai/rope-vit).
+
+2D: half of the rotary pairs read x, half read y, with theta_n = base^(-4n/d), n < d/4 (base 100 for ViT):
+phi_j = x * theta_j for j < d/4 and phi_j = y * theta_{j - d/4} otherwise. Interleaved pairs, `index` coords.
+3D (video) [visionpe]: pairs are split (x, y, t) with counts (n_x, n_y, n_t), theta_{a,n} = base^(-n / n_a);
+the default gives t a quarter of the pairs, e.g. (12, 12, 8) for head_dim 64.
+Nothing is learned; on a larger grid the table is rebuilt on integer positions (extrapolation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..registry import register_scheme
+from .base import LinearRotary
+
+__all__ = ["RopeAxial", "axial_frequencies"]
+
+
+def axial_frequencies(head_dim: int, base: float, axis_pairs: Sequence[int]) -> torch.Tensor:
+    """(ndim, head_dim // 2) frequency matrix; rows in coordinate order ((y, x) or (t, y, x)).
+
+    ``axis_pairs`` counts pairs per axis in pair order x, y[, t]: pairs [0, n_x) read x, the next n_y read y.
+
+    Example:
+        >>> axial_frequencies(8, 100.0, (2, 2))
+        tensor([[0.0000, 0.0000, 1.0000, 0.1000],
+                [1.0000, 0.1000, 0.0000, 0.0000]])
+    """
+    if sum(axis_pairs) != head_dim // 2:
+        raise ValueError(f"axis_pairs must sum to head_dim // 2 = {head_dim // 2}, got {tuple(axis_pairs)}")
+    if any(n <= 0 for n in axis_pairs):
+        raise ValueError(f"axis_pairs must be positive, got {tuple(axis_pairs)}")
+    freqs = torch.zeros(len(axis_pairs), head_dim // 2, dtype=torch.float64)
+    start = 0
+    for axis, n in enumerate(axis_pairs):
+        freqs[axis, start : start + n] = base ** (-torch.arange(n, dtype=torch.float64) / n)
+        start += n
+    # pair order is x, y, t; coordinate columns are (y, x) or (t, y, x): reverse the rows
+    return freqs.flip(0).float()
+
+
+@register_scheme("rope_axial")
+class RopeAxial(LinearRotary):
+    """Axial 2D/3D RoPE.
+
+    Args:
+        dim: model width; num_heads: heads; depth: blocks (unused, every block shares the table).
+        base: frequency base (rope-vit uses 100 for ViT, Qwen 10000).
+        ndim: 2 for images, 3 for video (t, y, x).
+        axis_pairs: pairs per axis in order x, y[, t]; default (d/4, d/4) in 2D, d/8 pairs for t in 3D.
+        coord_mode: grid convention (``index`` = the paper's integer positions).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        depth: int = 1,
+        base: float = 100.0,
+        ndim: int = 2,
+        axis_pairs: Sequence[int] | None = None,
+        coord_mode: str = "index",
+    ) -> None:
+        super().__init__(dim, num_heads, depth, ndim)
+        pairs = self.head_dim // 2
+        if axis_pairs is None:
+            n_t = pairs // 4 if ndim == 3 else 0
+            n_x = (pairs - n_t) // 2
+            axis_pairs = (n_x, pairs - n_t - n_x) + ((n_t,) if ndim == 3 else ())
+        if len(axis_pairs) != ndim:
+            raise ValueError(f"axis_pairs must have {ndim} entries for ndim={ndim}, got {tuple(axis_pairs)}")
+        if not base > 0:
+            raise ValueError(f"base must be positive, got {base!r}")
+        self.base, self.axis_pairs, self.coord_mode = float(base), tuple(axis_pairs), coord_mode
+        self.register_buffer("freqs", axial_frequencies(self.head_dim, base, axis_pairs), persistent=False)
+
+    def frequencies(self) -> torch.Tensor:
+        return self.freqs[None, None]
