@@ -88,8 +88,13 @@ class RotaryPositionEncoding(PositionEncoding, ABC):
     kind = "rotary"
 
     @abstractmethod
-    def prepare(self, coords: torch.Tensor, num_prefix_tokens: int = 0) -> Any:
-        """Per-forward state from patch ``coords`` (N, ndim); prefix rows get the identity."""
+    def prepare(
+        self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None
+    ) -> Any:
+        """Per-forward state from patch ``coords`` (N, ndim); prefix rows get the identity.
+
+        ``grid_size`` is the current grid when the model knows it (schemes that scale for extrapolation use it).
+        """
 
     @abstractmethod
     def apply(self, qk: torch.Tensor, state: Any, layer: int) -> torch.Tensor:

@@ -100,7 +100,8 @@ class VisionPEViT(VisionTransformer):
         """Rotary and bias states for ``grid_size``, built once per forward for all blocks."""
         ctx = PositionContext()
         for scheme in self._schemes("rotary"):
-            ctx.rotary.append((scheme, scheme.prepare(scheme.coords(grid_size, device), self.num_prefix_tokens)))
+            coords = scheme.coords(grid_size, device)
+            ctx.rotary.append((scheme, scheme.prepare(coords, self.num_prefix_tokens, grid_size=grid_size)))
         for scheme in self._schemes("bias"):
             ctx.bias.append((scheme, scheme.prepare(scheme.check_grid(grid_size), self.num_prefix_tokens, device)))
         return ctx

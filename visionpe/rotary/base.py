@@ -36,7 +36,9 @@ class LinearRotary(RotaryPositionEncoding):
     def frequencies(self) -> torch.Tensor:
         """(depth | 1, num_heads | 1, ndim, head_dim // 2) frequencies, rows in coordinate order."""
 
-    def prepare(self, coords: torch.Tensor, num_prefix_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepare(
+        self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary_tables(rotary_angles(coords, self.frequencies()), num_prefix_tokens)
 
     def apply(self, qk: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], layer: int) -> torch.Tensor:
