@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from timm.layers import Attention
+from torch import nn
 from timm.models.vision_transformer import Block
 
 from .base import BiasPositionEncoding, RotaryPositionEncoding
@@ -53,14 +54,17 @@ class PosAttention(Attention):
         B, N, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        if pos.rotary:
-            # q and k rotate together: one pass over both per scheme
-            qk = torch.stack((q, k)) if not isinstance(self.q_norm, torch.nn.Identity) else qkv[:2]
-            for scheme, state in pos.rotary:
-                qk = scheme.apply(qk, state, self.layer)
-            q, k = qk.unbind(0)
+        if pos.rotary and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
+            # split (not slice or unbind): its backward is one cat, without zero-filled gradient buffers
+            qk, v = qkv.split([2, 1])
+            v = v.squeeze(0)
+        else:
+            q, k, v = qkv.unbind(0)
+            qk = torch.stack((self.q_norm(q), self.k_norm(k)))
+        # q and k rotate together: one pass over both per scheme
+        for scheme, state in pos.rotary:
+            qk = scheme.apply(qk, state, self.layer)
+        q, k = qk.unbind(0)
 
         bias = attn_mask
         for scheme, state in pos.bias:
