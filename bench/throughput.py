@@ -63,8 +63,10 @@ def main() -> None:
             times[label].append(step_time(model, images))
 
     base = statistics.median(next(iter(times.values())))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, {args.size}px, "
-          f"fwd+bwd, median of {args.rounds} interleaved rounds")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, {args.size}px, "
+        f"fwd+bwd, median of {args.rounds} interleaved rounds"
+    )
     print("| model | images/s | ratio to timm ViT-S |")
     print("|---|---|---|")
     for label, ts in times.items():

@@ -3,8 +3,7 @@
 ``import visionpe`` registers ``visionpe_vit_{tiny,small,base,large}_patch16_224`` with timm.
 """
 
-from . import grid
-from . import absolute, bias, rotary  # noqa: F401  (importing them registers every scheme)
+from . import absolute, bias, grid, rotary  # noqa: F401  (importing them registers every scheme)
 from .attention import PosAttention, PosBlock, PositionContext
 from .base import AbsolutePositionEncoding, BiasPositionEncoding, PositionEncoding, RotaryPositionEncoding
 from .integrations import timm as _timm_models  # noqa: F401  (registers the timm models)

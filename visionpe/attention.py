@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from timm.layers import Attention
-from torch import nn
 from timm.models.vision_transformer import Block
+from torch import nn
 
 from .base import BiasPositionEncoding, RotaryPositionEncoding
 

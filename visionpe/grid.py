@@ -89,7 +89,7 @@ def grid_coords(
         ref_grid_size = validate_grid_size(ref_grid_size, "ref_grid_size", ndims=(len(grid_size),))
     else:
         ref_grid_size = (None,) * len(grid_size)
-    axes = [_axis(n, mode, r, device) for n, r in zip(grid_size, ref_grid_size)]
+    axes = [_axis(n, mode, r, device) for n, r in zip(grid_size, ref_grid_size, strict=True)]
     return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, len(grid_size))
 
 

@@ -46,7 +46,7 @@ def test_rotary_tables_recomputed_not_resampled():
 
 def test_prefix_tokens_not_rotated_by_model():
     model = _model("rope_mixed", reg_tokens=2)
-    (scheme, (cos, sin)), = model.position_context((14, 14), torch.device("cpu")).rotary
+    ((scheme, (cos, sin)),) = model.position_context((14, 14), torch.device("cpu")).rotary
     assert (cos[..., :3, :] == 1).all() and (sin[..., :3, :] == 0).all()
 
 
@@ -103,8 +103,11 @@ def test_pretrained_file_through_timm_factory(tmp_path):
     path = tmp_path / "vit.pth"
     torch.save(src.state_dict(), path)
     dst = timm.create_model(
-        "visionpe_vit_tiny_patch16_224", pretrained=True, pretrained_cfg_overlay={"file": str(path)},
-        pos_embed="rope_axial", **SMALL,
+        "visionpe_vit_tiny_patch16_224",
+        pretrained=True,
+        pretrained_cfg_overlay={"file": str(path)},
+        pos_embed="rope_axial",
+        **SMALL,
     )
     assert torch.equal(dst.patch_embed.proj.weight, src.patch_embed.proj.weight)
 

@@ -69,8 +69,12 @@ class SinCosPosEmbed(AbsolutePositionEncoding):
             return sincos_2d(grid_coords(grid_size, device=device), self.dim, self.temperature)
         base = sincos_2d(grid_coords(self.grid_size, device=device), self.dim, self.temperature)
         return resample_abs_pos_embed(
-            base[None], new_size=list(grid_size), old_size=list(self.grid_size), num_prefix_tokens=0,
-            interpolation="bilinear", antialias=False,
+            base[None],
+            new_size=list(grid_size),
+            old_size=list(self.grid_size),
+            num_prefix_tokens=0,
+            interpolation="bilinear",
+            antialias=False,
         )[0]
 
     def forward(self, x: torch.Tensor, grid_size: tuple[int, ...], num_prefix_tokens: int) -> torch.Tensor:

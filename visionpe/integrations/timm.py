@@ -25,9 +25,17 @@ _SIZES = {
 
 def _cfg(**kwargs):
     return {
-        "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None, "crop_pct": 0.9,
-        "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_INCEPTION_MEAN,
-        "std": IMAGENET_INCEPTION_STD, "first_conv": "patch_embed.proj", "classifier": "head", **kwargs,
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "pool_size": None,
+        "crop_pct": 0.9,
+        "interpolation": "bicubic",
+        "fixed_input_size": False,
+        "mean": IMAGENET_INCEPTION_MEAN,
+        "std": IMAGENET_INCEPTION_STD,
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+        **kwargs,
     }
 
 
@@ -46,8 +54,12 @@ def _create(variant: str, size: str, pretrained: bool, **kwargs) -> VisionPEViT:
     args = dict(patch_size=16, **_SIZES[size])
     args.update(kwargs)
     return build_model_with_cfg(
-        VisionPEViT, variant, pretrained, pretrained_filter_fn=_filter_fn,
-        pretrained_strict=False, **args,
+        VisionPEViT,
+        variant,
+        pretrained,
+        pretrained_filter_fn=_filter_fn,
+        pretrained_strict=False,
+        **args,
     )
 
 

@@ -49,8 +49,12 @@ def convert_timm_state_dict(
             prefix, patches = value[:, :num_src_prefix], value[:, num_src_prefix:]
             if src_grid != learned.grid_size:
                 patches = resample_abs_pos_embed(
-                    patches, new_size=list(learned.grid_size), old_size=list(src_grid), num_prefix_tokens=0,
-                    interpolation=learned.interpolation, antialias=learned.antialias,
+                    patches,
+                    new_size=list(learned.grid_size),
+                    old_size=list(src_grid),
+                    num_prefix_tokens=0,
+                    interpolation=learned.interpolation,
+                    antialias=learned.antialias,
                 )
                 report.resampled.append(f"{key} -> {new_key} ({src_grid} -> {learned.grid_size})")
             prefix = prefix[:, : learned.num_embed_prefix]
@@ -60,7 +64,9 @@ def convert_timm_state_dict(
         elif key in target and target[key].shape == value.shape:
             out[key] = value
         else:
-            reason = "not in model" if key not in target else f"shape {tuple(value.shape)} != {tuple(target[key].shape)}"
+            reason = (
+                "not in model" if key not in target else f"shape {tuple(value.shape)} != {tuple(target[key].shape)}"
+            )
             report.dropped.append(f"{key} ({reason})")
     report.added = [k for k in target if k not in out]
     return out, report

@@ -16,7 +16,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..attention import PositionContext, PosBlock
+from ..attention import PosBlock, PositionContext
 from ..base import AbsolutePositionEncoding
 from ..registry import create_pos_embed, get_scheme_class
 
