@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -136,16 +137,15 @@ class VisionPEViT(VisionTransformer):
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
         return self._pos_embed_grid(x)[0]
 
-    def forward_features(
-        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
-    ) -> torch.Tensor:
-        """(B, C, H, W) images -> (B, num_prefix_tokens + N, C) normalised tokens."""
+    def _blocks(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False, last: int | None = None):
+        """Embed, then yield the tokens after each block (absolute schemes with ``insert_after`` applied)."""
         self._check_input(x)
         x, grid_size = self._pos_embed_grid(self.patch_embed(x))
         x = self.norm_pre(self.patch_drop(x))
         ctx = self.position_context(grid_size, x.device)
         inserts = [m for m in self._schemes("absolute") if m.insert_after]
-        for i, blk in enumerate(self.blocks):
+        blocks = self.blocks if last is None else self.blocks[: last + 1]
+        for i, blk in enumerate(blocks):
             if self.grad_checkpointing and self.training and not torch.jit.is_scripting():
                 x = checkpoint(blk, x, attn_mask, is_causal, ctx, use_reentrant=False)
             else:
@@ -153,13 +153,51 @@ class VisionPEViT(VisionTransformer):
             for scheme in inserts:
                 if i in scheme.insert_after:
                     x = scheme(x, grid_size, self.num_prefix_tokens)
-        return self.norm(x)
+            yield x
 
-    def forward_intermediates(self, *args, **kwargs):
-        raise TypeError(
-            "VisionPEViT does not support forward_intermediates; use forward_features, which returns "
-            "(B, num_prefix_tokens + N, C) tokens"
-        )
+    def forward_features(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
+    ) -> torch.Tensor:
+        """(B, C, H, W) images -> (B, num_prefix_tokens + N, C) normalised tokens."""
+        tokens = x
+        for tokens in self._blocks(x, attn_mask, is_causal):  # noqa: B007 - the last block's output is the result
+            pass
+        return self.norm(tokens)
+
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: int | list[int] | None = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ):
+        """timm's feature-extraction API: (final tokens, [per-block features]) or the features alone.
+
+        ``indices``: last n blocks if int, all if None, else those block indices. Features are (B, C, H, W) with
+        ``output_fmt="NCHW"`` or (B, N, C) with ``"NLC"``; with ``return_prefix_tokens`` each is (spatial, prefix).
+        """
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        batch, _, height, width = x.shape
+        feat_h, feat_w = self.patch_embed.dynamic_feat_size((height, width))
+        intermediates = []
+        tokens = x
+        for i, tokens in enumerate(self._blocks(x, attn_mask, is_causal, last=max_index if stop_early else None)):
+            if i in take_indices:
+                y = self.norm(tokens) if norm else tokens
+                spatial, prefix = y[:, self.num_prefix_tokens :], y[:, : self.num_prefix_tokens]
+                if output_fmt == "NCHW":
+                    spatial = spatial.reshape(batch, feat_h, feat_w, -1).permute(0, 3, 1, 2).contiguous()
+                intermediates.append((spatial, prefix) if return_prefix_tokens else spatial)
+        if intermediates_only:
+            return intermediates
+        return self.norm(tokens), intermediates
 
     @torch.jit.ignore
     def set_input_size(self, img_size=None, patch_size=None) -> None:
