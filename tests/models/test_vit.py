@@ -140,3 +140,17 @@ def test_grad_checkpointing_matches():
     ref = model(x)
     model.set_grad_checkpointing(True)
     assert torch.allclose(model(x), ref, atol=1e-6)
+
+
+def test_forward_intermediates_match_forward_features():
+    model = _model("rope_mixed", dynamic_img_size=True).eval()
+    x = torch.randn(1, 3, 224, 256)
+    final, feats = model.forward_intermediates(x, indices=2)
+    assert torch.allclose(final, model.forward_features(x), atol=1e-6)
+    assert [f.shape for f in feats] == [(1, 64, 14, 16)] * 2
+    only = model.forward_intermediates(
+        x, indices=[0], output_fmt="NLC", return_prefix_tokens=True, intermediates_only=True, stop_early=True
+    )
+    assert only[0][0].shape == (1, 14 * 16, 64) and only[0][1].shape == (1, 1, 64)
+    with pytest.raises(ValueError, match="output_fmt"):
+        model.forward_intermediates(x, output_fmt="NHWC")
