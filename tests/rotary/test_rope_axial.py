@@ -67,3 +67,18 @@ def test_bad_input():
         rope.rotate(torch.randn(1, 1, 1, 64), torch.tensor([[float("nan"), 0.0]]))
     with pytest.raises(ValueError, match="axis_pairs"):
         visionpe.create_pos_embed("rope_axial", dim=64, num_heads=1, axis_pairs=(10, 10))
+
+
+def test_fp32_fast_path_matches_real_form_with_gradients():
+    from visionpe.rotary.functional import apply_rotary, rotary_tables
+
+    angles = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 3, 5, 8, dtype=torch.float64).permute(0, 2, 1, 3).transpose(1, 2)  # non-contiguous
+    grads = []
+    for dtype in (torch.float32, torch.float64):  # fp32: complex product; fp64: cos/sin form
+        a = angles.detach().to(dtype).requires_grad_(True)
+        out = apply_rotary(x.to(dtype), *rotary_tables(a))
+        out.backward(torch.ones_like(out))
+        grads.append((out.double(), a.grad.double()))
+    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-5)
+    assert torch.allclose(grads[0][1], grads[1][1], atol=1e-4)
