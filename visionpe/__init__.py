@@ -10,6 +10,8 @@ from .integrations import timm as _timm_models  # noqa: F401  (registers the tim
 from .models.convert import LoadReport, convert_timm_state_dict, load_timm_state_dict
 from .models.vit import VisionPEViT
 from .registry import create_pos_embed, list_schemes, register_scheme
+from .rotary.scaling import set_extrapolation
+from .rotary.string_cayley import fold_string_
 
 __version__ = "0.1.0"
 
@@ -29,4 +31,6 @@ __all__ = [
     "LoadReport",
     "convert_timm_state_dict",
     "load_timm_state_dict",
+    "set_extrapolation",
+    "fold_string_",
 ]

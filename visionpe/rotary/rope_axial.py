@@ -52,6 +52,9 @@ class RopeAxial(LinearRotary):
         ndim: 2 for images, 3 for video (t, y, x).
         axis_pairs: pairs per axis in order x, y[, t]; default (d/4, d/4) in 2D, d/8 pairs for t in 3D.
         coord_mode: grid convention (``index`` = the paper's integer positions).
+        grid_size: training grid (the model passes it); the reference of ``extrapolation``.
+        extrapolation: ``none`` (default), ``pi``, ``ntk`` or ``yarn`` scaling at a larger grid (SCHEMES.md A13).
+        yarn_alpha, yarn_beta: YaRN ramp bounds.
     """
 
     def __init__(
@@ -63,8 +66,12 @@ class RopeAxial(LinearRotary):
         ndim: int = 2,
         axis_pairs: Sequence[int] | None = None,
         coord_mode: str = "index",
+        grid_size: Sequence[int] | None = None,
+        extrapolation: str = "none",
+        yarn_alpha: float = 1.0,
+        yarn_beta: float = 32.0,
     ) -> None:
-        super().__init__(dim, num_heads, depth, ndim)
+        super().__init__(dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta)
         pairs = self.head_dim // 2
         if axis_pairs is None:
             n_t = pairs // 4 if ndim == 3 else 0
@@ -74,7 +81,7 @@ class RopeAxial(LinearRotary):
             raise ValueError(f"axis_pairs must have {ndim} entries for ndim={ndim}, got {tuple(axis_pairs)}")
         if not base > 0:
             raise ValueError(f"base must be positive, got {base!r}")
-        self.base, self.axis_pairs, self.coord_mode = float(base), tuple(axis_pairs), coord_mode
+        self.base, self.axis_pairs = float(base), tuple(axis_pairs)
         self.register_buffer("freqs", axial_frequencies(self.head_dim, base, axis_pairs), persistent=False)
 
     def frequencies(self) -> torch.Tensor:

@@ -10,6 +10,7 @@ temporal component stays unused (author's note), so it starts non-zero.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -42,6 +43,10 @@ class RopeMixed(LinearRotary):
         base: magnitude base of the init (rope-vit uses 10).
         ndim: 2 for images, 3 for video.
         coord_mode: grid convention (``index`` as in the paper).
+        grid_size: training grid (the model passes it); the reference of ``extrapolation``.
+        extrapolation: ``none`` (default), ``pi``, ``ntk`` or ``yarn``; each component f_{a,n} is scaled with its
+            own axis wavelength 2 pi / |f_{a,n}| (SCHEMES.md A13).
+        yarn_alpha, yarn_beta: YaRN ramp bounds.
     """
 
     def __init__(
@@ -52,9 +57,13 @@ class RopeMixed(LinearRotary):
         base: float = 10.0,
         ndim: int = 2,
         coord_mode: str = "index",
+        grid_size: Sequence[int] | None = None,
+        extrapolation: str = "none",
+        yarn_alpha: float = 1.0,
+        yarn_beta: float = 32.0,
     ) -> None:
-        super().__init__(dim, num_heads, depth, ndim)
-        self.base, self.coord_mode = float(base), coord_mode
+        super().__init__(dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta)
+        self.base = float(base)
         self.freqs = nn.Parameter(init_mixed_frequencies(self.head_dim, depth, num_heads, base, ndim))
 
     def frequencies(self) -> torch.Tensor:

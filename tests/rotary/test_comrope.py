@@ -1,0 +1,103 @@
+import pytest
+import timm
+import torch
+
+import visionpe
+from visionpe.grid import grid_coords
+from visionpe.rotary.comrope_ap import ComRoPEAP
+from visionpe.rotary.comrope_ld import ComRoPELD
+from visionpe.rotary.rope_axial import RopeAxial
+
+CLASSES = [ComRoPEAP, ComRoPELD]
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("block_size, ndim, grid", [(2, 2, (3, 5)), (8, 2, (3, 5)), (4, 3, (2, 3, 4))])
+def test_exact_relative_property(cls, block_size, ndim, grid):
+    scheme = cls(128, 2, depth=2, block_size=block_size, ndim=ndim)
+    coords = grid_coords(grid, mode="normalized")
+    q, k = torch.randn(2, 1, 2, len(coords), 64).unbind(0)
+    shift = torch.tensor([0.37, -0.81, 1.5][:ndim])
+    scores = scheme.rotate(q, coords, 1) @ scheme.rotate(k, coords, 1).transpose(-1, -2)
+    shifted = scheme.rotate(q, coords + shift, 1) @ scheme.rotate(k, coords + shift, 1).transpose(-1, -2)
+    assert torch.allclose(scores, shifted, atol=1e-5)
+    assert not torch.allclose(scores, q @ k.transpose(-1, -2), atol=1e-2)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_zero_generators_give_identity(cls):
+    scheme = cls(128, 2, init_std=0.0)
+    x = torch.randn(2, 2, 15, 64)
+    assert torch.allclose(scheme.rotate(x, grid_coords((3, 5), mode="normalized")), x, atol=1e-6)
+
+
+def test_ap_b2_equals_axial_rope():
+    axial = RopeAxial(64, 1, base=100.0)
+    scheme = ComRoPEAP(64, 1, block_size=2)
+    # AP block j rotates with coordinate column j mod 2 (0 = y, 1 = x); axial pairs [0, 16) read x, [16, 32) y.
+    freqs = axial.freqs  # (ndim, 32), rows (y, x)
+    x_pairs, y_pairs = torch.arange(16), torch.arange(16, 32)
+    order = torch.stack((y_pairs, x_pairs), dim=1).flatten()  # block j <- axial pair order[j]
+    rates = freqs.sum(0)[order]  # the one non-zero rate of each pair
+    with torch.no_grad():
+        scheme.blocks.zero_()
+        scheme.blocks[0, 0, :, 1, 0] = rates  # P - P^T = [[0, -rate], [rate, 0]]
+    coords = grid_coords((3, 5))
+    x = torch.randn(1, 1, 15, 64)
+    channels = torch.stack((2 * order, 2 * order + 1), dim=1).flatten()
+    expected = axial.rotate(x, coords)[..., channels]
+    assert torch.allclose(scheme.rotate(x[..., channels], coords), expected, atol=1e-5)
+
+
+def test_positions_prefix_and_pi():
+    scheme = ComRoPEAP(128, 2, grid_size=(4, 4))
+    assert torch.allclose(scheme.coords((2, 4)), grid_coords((2, 4), mode="normalized"))
+    train = ComRoPEAP(128, 2, grid_size=(4, 4), pos_norm="train_grid")
+    assert torch.allclose(train.coords((8, 4))[:, 0].max(), torch.tensor(7.5 / 4))
+    train.set_extrapolation("pi")
+    state, prefix = train.prepare(train.coords((8, 4)), num_prefix_tokens=1, grid_size=(8, 4))
+    assert prefix == 1 and torch.allclose(state, grid_coords((8, 4), mode="normalized"))  # PI = test-grid norm
+    rotating = ComRoPELD(128, 2, grid_size=(4, 4), rotate_prefix=True)
+    state, prefix = rotating.prepare(rotating.coords((4, 4)), num_prefix_tokens=1)
+    assert prefix == 0 and torch.equal(state[0], torch.tensor([0.5, 0.5]))
+    qk = torch.randn(2, 1, 2, 17, 64)
+    out = scheme.apply(qk, scheme.prepare(scheme.coords((4, 4)), num_prefix_tokens=1), layer=0)
+    assert torch.equal(out[..., :1, :], qk[..., :1, :])
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="pos_norm must be one of"):
+        ComRoPEAP(128, 2, pos_norm="bogus")
+    with pytest.raises(ValueError, match="needs grid_size"):
+        ComRoPELD(128, 2, pos_norm="train_grid")
+    with pytest.raises(ValueError, match="would scale twice"):
+        ComRoPEAP(128, 2, grid_size=(4, 4), extrapolation="pi")
+    scheme = ComRoPELD(128, 2, grid_size=(4, 4), pos_norm="train_grid")
+    with pytest.raises(ValueError, match="supports extrapolation modes"):
+        scheme.set_extrapolation("yarn")
+    with pytest.raises(ValueError, match="supports 2D grids"):
+        scheme.coords((2, 3, 4))
+    with pytest.raises(ValueError, match="2 axes, got coords with 3 axes"):
+        scheme.rotate(torch.randn(1, 2, 6, 64), grid_coords((1, 2, 3)))
+    with pytest.raises(ValueError, match="block_size must be >= 2"):
+        visionpe.create_pos_embed("comrope_ap", dim=128, num_heads=2, block_size=5)
+
+
+@pytest.mark.parametrize("name", ["comrope_ap", "comrope_ld"])
+@pytest.mark.parametrize("size", [(224, 224), (384, 384), (160, 288)])
+def test_model_forward_backward(name, size):
+    model = timm.create_model(
+        "visionpe_vit_tiny_patch16_224", pos_embed=name, depth=2, embed_dim=64, num_heads=2, dynamic_img_size=True
+    )
+    images = torch.randn(1, 3, *size)
+    # fp32 at every size, bf16 autocast at the non-square one (keeps the suite short on CPU)
+    for autocast in (False, True) if size[0] != size[1] else (False,):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(images)
+        assert out.shape == (1, 1000) and torch.isfinite(out).all()
+        out.float().sum().backward()
+        for pname, param in model.pos_schemes.named_parameters():
+            if param.requires_grad:
+                assert param.grad is not None and torch.isfinite(param.grad).all(), pname
+                assert param.grad.abs().sum() > 0, pname

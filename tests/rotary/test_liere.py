@@ -1,0 +1,131 @@
+import math
+
+import pytest
+import timm
+import torch
+
+import visionpe
+from visionpe.grid import grid_coords
+from visionpe.rotary.liere import LieRE
+from visionpe.rotary.skew_exp import linear_skew_expm, skew_from_params
+
+
+def _scores(scheme, coords, q, k):
+    return scheme.rotate(q, coords) @ scheme.rotate(k, coords).transpose(-1, -2)
+
+
+def _relative_error(scheme, coords, shift):
+    q, k = torch.randn(2, 1, scheme.num_heads, len(coords), scheme.head_dim).unbind(0)
+    return (_scores(scheme, coords, q, k) - _scores(scheme, coords + shift, q, k)).abs().max().item()
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_not_relative_for_blocks_of_three_or_more(block_size):
+    scheme = LieRE(128, 2, block_size=block_size, init_scale=1.0)
+    assert _relative_error(scheme, grid_coords((3, 5)), torch.tensor([2.0, -3.0])) > 1e-2
+
+
+def test_relative_for_b2_and_for_one_axis():
+    scheme = LieRE(128, 2, block_size=2, init_scale=1.0)
+    assert _relative_error(scheme, grid_coords((3, 5)), torch.tensor([2.0, -3.0])) < 1e-5
+    one_axis = LieRE(128, 2, block_size=8, init_scale=1.0)
+    coords = grid_coords((1, 7)) * torch.tensor([0.0, 1.0])  # positions along x only: one generator
+    assert _relative_error(one_axis, coords, torch.tensor([0.0, 3.0])) < 1e-5
+
+
+def test_exponential_equals_matrix_exp():
+    raw = torch.rand(6, 2, 28) * 2 * math.pi
+    gen = skew_from_params(raw, 8)
+    coords = grid_coords((4, 6))
+    expected = torch.linalg.matrix_exp(torch.einsum("na,gaij->ngij", coords.double(), gen.double()).contiguous())
+    assert torch.allclose(linear_skew_expm(gen, coords).double(), expected, atol=1e-5)
+    small = linear_skew_expm(gen * 1e-3, coords)  # within the series' range: no squaring
+    expected = torch.linalg.matrix_exp(torch.einsum("na,gaij->ngij", coords.double(), 1e-3 * gen.double()).contiguous())
+    assert torch.allclose(small.double(), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "block_size, expected", [(2, 9216), (4, 27648), (8, 64512), (16, 138240), (32, 285696), (64, 580608)]
+)
+def test_parameter_count_vit_base(block_size, expected):
+    scheme = visionpe.create_pos_embed("liere", dim=768, num_heads=12, depth=12, block_size=block_size)
+    assert sum(p.numel() for p in scheme.parameters()) == expected
+
+
+def test_b2_recovers_rope_mixed_rotation():
+    scheme = LieRE(64, 1, block_size=2, init_scale=1.0)
+    coords = grid_coords((3, 5))
+    x = torch.randn(1, 1, 15, 64)
+    gen = scheme.generators(0)[0]  # (blocks, ndim, 2, 2); angle rate of block j on axis a is A[1, 0]
+    rates = gen[:, :, 1, 0]  # (32, 2)
+    angle = coords @ rates.T  # (15, 32)
+    pairs = x.view(1, 1, 15, 32, 2)
+    expected = torch.stack(
+        (
+            pairs[..., 0] * angle.cos() - pairs[..., 1] * angle.sin(),
+            pairs[..., 0] * angle.sin() + pairs[..., 1] * angle.cos(),
+        ),
+        dim=-1,
+    ).flatten(-2)
+    assert torch.allclose(scheme.rotate(x, coords), expected, atol=1e-5)
+
+
+def test_prefix_tokens_not_rotated():
+    scheme = LieRE(128, 2, depth=2)
+    coords = grid_coords((2, 3))
+    qk = torch.randn(2, 1, 2, 8, 64)
+    out = scheme.apply(qk, scheme.prepare(coords, num_prefix_tokens=2, grid_size=(2, 3)), layer=1)
+    assert torch.equal(out[..., :2, :], qk[..., :2, :])
+    assert not torch.allclose(out[..., 2:, :], qk[..., 2:, :])
+
+
+def test_pi_scales_positions_and_other_modes_are_rejected():
+    scheme = LieRE(128, 2, grid_size=(7, 7), extrapolation="pi")
+    coords = grid_coords((14, 21))
+    state, _ = scheme.prepare(coords, grid_size=(14, 21))
+    assert torch.allclose(state, coords / torch.tensor([2.0, 3.0]))
+    for mode in ("ntk", "yarn"):
+        with pytest.raises(ValueError, match="supports extrapolation modes"):
+            scheme.set_extrapolation(mode)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="block_size must be >= 2 and divide head_dim=64"):
+        LieRE(128, 2, block_size=6)
+    with pytest.raises(ValueError, match="ndim must be 2 or 3"):
+        LieRE(128, 2, ndim=4)
+    scheme = LieRE(128, 2)
+    with pytest.raises(ValueError, match="2 axes, got coords with 3 axes"):
+        scheme.rotate(torch.randn(1, 2, 6, 64), grid_coords((1, 2, 3)))
+    with pytest.raises(ValueError, match="supports 2D grids"):
+        scheme.coords((2, 3, 4))
+    with pytest.raises(ValueError, match="coords has 6 rows"):
+        scheme.rotate(torch.randn(1, 2, 5, 64), grid_coords((2, 3)))
+    with pytest.raises(ValueError, match="init_scale"):
+        LieRE(128, 2, init_scale=float("nan"))
+
+
+def test_video_3d():
+    scheme = LieRE(128, 2, ndim=3)
+    out = scheme.rotate(torch.randn(1, 2, 12, 64), grid_coords((2, 2, 3)))
+    assert out.shape == (1, 2, 12, 64) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name", ["liere"])
+@pytest.mark.parametrize("size", [(224, 224), (384, 384), (160, 288)])
+def test_model_forward_backward(name, size):
+    model = timm.create_model(
+        "visionpe_vit_tiny_patch16_224", pos_embed=name, depth=2, embed_dim=64, num_heads=2, dynamic_img_size=True
+    )
+    images = torch.randn(1, 3, *size)
+    # fp32 at every size, bf16 autocast at the non-square one (keeps the suite short on CPU)
+    for autocast in (False, True) if size[0] != size[1] else (False,):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(images)
+        assert out.shape == (1, 1000) and torch.isfinite(out).all()
+        out.float().sum().backward()
+        for pname, param in model.pos_schemes.named_parameters():
+            if param.requires_grad:
+                assert param.grad is not None and torch.isfinite(param.grad).all(), pname
+                assert param.grad.abs().sum() > 0, pname

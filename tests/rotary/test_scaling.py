@@ -1,0 +1,125 @@
+import math
+
+import pytest
+import timm
+import torch
+
+import visionpe
+from visionpe.grid import grid_coords
+from visionpe.rotary.rope_axial import RopeAxial, axial_frequencies
+from visionpe.rotary.rope_mixed import RopeMixed
+from visionpe.rotary.scaling import axis_scale_factors, scale_frequencies, set_extrapolation, yarn_attention_factor
+
+
+def test_factors_per_axis():
+    assert axis_scale_factors((28, 14), (14, 14)) == (2.0, 1.0)
+    assert axis_scale_factors((7, 21), (14, 14)) == (1.0, 1.5)  # a smaller axis is left alone
+
+
+@pytest.mark.parametrize("mode", ["none", "pi", "ntk", "yarn"])
+def test_unit_factor_is_identity(mode):
+    freqs = axial_frequencies(64, 100.0, (16, 16))
+    assert torch.equal(scale_frequencies(freqs, (1.0, 1.0), mode, (14, 14)), freqs)
+    rope = RopeAxial(384, 6, grid_size=(14, 14), extrapolation=mode)
+    plain = RopeAxial(384, 6)
+    coords = grid_coords((14, 14))
+    for a, b in zip(rope.prepare(coords, 1, (14, 14)), plain.prepare(coords, 1, (14, 14)), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_ntk_keeps_first_band_and_scales_last_by_one_over_s():
+    theta = 100.0 ** (-torch.arange(16, dtype=torch.float64) / 16)
+    freqs = axial_frequencies(64, 100.0, (16, 16))  # rows (y, x); x reads pairs 0..15
+    scaled = scale_frequencies(freqs, (1.0, 2.0), "ntk")
+    x_rates = scaled[1, :16].double()
+    assert float(x_rates[0]) == pytest.approx(1.0)
+    assert float(x_rates[-1]) == pytest.approx(float(theta[-1]) / 2, rel=1e-5)
+    # the base-change form b' = b s^(D / (D - 2)) with D = d / 2
+    new_base = 100.0 * 2.0 ** (32 / 30)
+    assert torch.allclose(x_rates, new_base ** (-torch.arange(16, dtype=torch.float64) / 16), rtol=1e-5)
+    assert torch.equal(scaled[0], freqs[0])  # y is not scaled
+
+
+def test_yarn_band_rules():
+    freqs = axial_frequencies(64, 100.0, (16, 16))
+    alpha, beta, s, length = 0.5, 1.5, 2.0, 14
+    scaled = scale_frequencies(freqs, (s, s), "yarn", (length, length), alpha, beta)[1, :16]
+    theta = freqs[1, :16]
+    ratio = length * theta / (2 * math.pi)
+    high, low = ratio > beta, ratio < alpha
+    assert high.any() and low.any()
+    assert torch.allclose(scaled[high], theta[high])
+    assert torch.allclose(scaled[low], theta[low] / s)
+    mid = ~(high | low)
+    gamma = (ratio[mid] - alpha) / (beta - alpha)
+    assert torch.allclose(scaled[mid], (1 - gamma) * theta[mid] / s + gamma * theta[mid])
+    assert yarn_attention_factor((s, 1.5)) == pytest.approx(0.1 * math.log(2.0) + 1)
+
+
+def test_yarn_multiplies_tables_including_prefix():
+    rope = RopeAxial(128, 2, grid_size=(4, 4), extrapolation="yarn")
+    cos, sin = rope.prepare(grid_coords((8, 8)), 1, (8, 8))
+    m = 0.1 * math.log(2.0) + 1
+    assert torch.allclose(cos[..., 0, :], torch.full_like(cos[..., 0, :], m))
+    assert torch.allclose(cos.pow(2) + sin.pow(2), torch.full_like(cos, m * m), atol=1e-5)
+
+
+def test_pi_reproduces_training_positions():
+    rope = RopeAxial(128, 2, grid_size=(7, 7), extrapolation="pi")
+    train = rope.prepare(grid_coords((7, 7)), 0, (7, 7))[0].view(7, 7, -1)
+    test = rope.prepare(grid_coords((14, 14)), 0, (14, 14))[0].view(14, 14, -1)
+    assert torch.allclose(test[::2, ::2], train, atol=1e-6)  # position 2i at 14 is position i at 7
+
+
+def test_mixed_scales_each_component_and_model_switch():
+    model = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed="rope_mixed", depth=1, dynamic_img_size=True)
+    scheme = model.pos_schemes["rope_mixed"]
+    assert scheme.train_grid_size == (14, 14) and scheme.extrapolation == "none"
+    images = torch.randn(1, 3, 320, 320)
+    with torch.no_grad():
+        base = model(images)
+        for mode in ("pi", "ntk", "yarn"):
+            assert set_extrapolation(model, mode, alpha=0.5, beta=2.0) == ["pos_schemes.rope_mixed"]
+            assert not torch.allclose(model(images), base)
+        set_extrapolation(model, "none")
+        assert torch.equal(model(images), base)
+    freqs, _ = scheme.scaled_frequencies((28, 14))
+    pi = RopeMixed.frequencies(scheme)
+    assert torch.equal(freqs[..., 0, :], pi[..., 0, :] / 2) is False  # default mode none: unchanged
+    scheme.set_extrapolation("pi")
+    freqs, _ = scheme.scaled_frequencies((28, 14))
+    assert torch.allclose(freqs[..., 0, :], pi[..., 0, :] / 2) and torch.equal(freqs[..., 1, :], pi[..., 1, :])
+
+
+@pytest.mark.parametrize("name", ["string_cayley", "string_circulant"])
+def test_string_rope_part_scales(name):
+    model = timm.create_model(
+        "visionpe_vit_tiny_patch16_224", pos_embed=name, depth=1, pos_embed_kwargs={"extrapolation": "ntk"}
+    )
+    scheme = model.pos_schemes[name]
+    assert scheme.extrapolation == "ntk"
+    freqs, _ = scheme.scaled_frequencies((28, 28))
+    assert not torch.allclose(freqs, scheme.frequencies())
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="extrapolation must be one of"):
+        RopeAxial(128, 2, grid_size=(4, 4), extrapolation="linear")
+    with pytest.raises(ValueError, match="needs the training grid"):
+        RopeAxial(128, 2, extrapolation="ntk")
+    with pytest.raises(ValueError, match="already interpolates"):
+        RopeAxial(128, 2, grid_size=(4, 4), coord_mode="normalized", extrapolation="pi")
+    with pytest.raises(ValueError, match="yarn_beta must be greater"):
+        RopeAxial(128, 2, grid_size=(4, 4), extrapolation="yarn", yarn_alpha=2.0, yarn_beta=1.0)
+    with pytest.raises(ValueError, match="grid_size must have ndim=2"):
+        RopeAxial(128, 2, grid_size=(2, 4, 4))
+    with pytest.raises(ValueError, match="factors must have ndim"):
+        scale_frequencies(torch.ones(2, 4), (2.0,), "pi")
+    with pytest.raises(ValueError, match="train_grid_size must have 2 entries"):
+        axis_scale_factors((4, 4), (4, 4, 4))
+    model = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed="liere", depth=1)
+    with pytest.raises(ValueError, match="supports extrapolation modes"):
+        set_extrapolation(model, "ntk")
+    with pytest.raises(ValueError, match="no rotary scheme"):
+        set_extrapolation(timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed="learned", depth=1), "pi")
+    assert visionpe.list_schemes("rotary")  # registry still importable after the scaling module

@@ -1,0 +1,120 @@
+"""ComRoPE-AP: Yu et al., "ComRoPE: Scalable and Robust Rotary Position Embedding Parameterized by Trainable
+Commuting Angle Matrices", CVPR 2025 (Longin-Yu/ComRoPE).
+
+R(x) = exp(sum_i A_i x_i), A_i = blockdiag(B_i1, ..., B_im) of b x b skew blocks. Axial partition (AP):
+B_ij = P_j - P_j^T if j mod n_axes = i, else 0: every block belongs to one axis, so the A_i commute and
+R(x)^T R(y) = R(y - x) exactly. P: (h, m, b, b) ~ N(0, init_std^2) per layer. b = 2 with fixed P is axial RoPE.
+Positions `normalized`, (i + 0.5) / n per axis (``pos_norm='test_grid'``) or / n_train (``'train_grid'``)
+[visionpe]. The reference rotates the cls token at (0.5, ..., 0.5): ``rotate_prefix=True``; default: identity.
+Rotations are applied per block, never as (B, L, h, d, d) matrices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..grid import grid_coords
+from ..registry import register_scheme
+from .lie_base import LieBlockRotary
+
+__all__ = ["ComRoPEBase", "ComRoPEAP"]
+
+POS_NORMS = ("test_grid", "train_grid")
+
+
+class ComRoPEBase(LieBlockRotary):
+    """Common ComRoPE options; subclasses build the commuting generators."""
+
+    _scales_own_coords = True
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        depth: int,
+        block_size: int,
+        ndim: int,
+        init_std: float,
+        pos_norm: str,
+        rotate_prefix: bool,
+        grid_size: Sequence[int] | None,
+        extrapolation: str,
+    ) -> None:
+        if pos_norm not in POS_NORMS:
+            raise ValueError(f"pos_norm must be one of {POS_NORMS}, got {pos_norm!r}")
+        if pos_norm == "train_grid" and grid_size is None:
+            raise ValueError("pos_norm='train_grid' needs grid_size (the training grid), got None")
+        if not init_std >= 0:
+            raise ValueError(f"init_std must be non-negative, got {init_std!r}")
+        self.pos_norm = pos_norm
+        super().__init__(dim, num_heads, depth, block_size, ndim, grid_size, extrapolation)
+        self.rotate_prefix, self.init_std = bool(rotate_prefix), float(init_std)
+        self.coord_mode = "normalized"
+        self.blocks = nn.Parameter(torch.randn(depth, num_heads, self.num_blocks, block_size, block_size) * init_std)
+
+    def set_extrapolation(self, mode: str, **kwargs) -> None:
+        if mode == "pi" and self.pos_norm == "test_grid":
+            raise ValueError(
+                "extrapolation='pi' with pos_norm='test_grid' would scale twice: positions normalised by the test "
+                "grid already interpolate; use pos_norm='train_grid'"
+            )
+        super().set_extrapolation(mode, **kwargs)
+
+    def coords(self, grid_size: tuple[int, ...], device=None) -> torch.Tensor:
+        grid_size = self.check_grid(grid_size)
+        if self.pos_norm == "test_grid":
+            return grid_coords(grid_size, mode="normalized", device=device)
+        ref = torch.tensor(self.train_grid_size, dtype=torch.float32, device=device)
+        return (grid_coords(grid_size, mode="index", device=device) + 0.5) / ref
+
+    def prefix_coords(self, num_prefix_tokens: int, coords: torch.Tensor) -> torch.Tensor | None:
+        if not self.rotate_prefix:
+            return None
+        return coords.new_full((num_prefix_tokens, coords.shape[1]), 0.5)
+
+    def skew_blocks(self, layer: int) -> torch.Tensor:
+        """(num_heads, m, b, b) skew blocks P_j - P_j^T of block ``layer``."""
+        p = self.blocks[layer if self.blocks.shape[0] > 1 else 0]
+        return p - p.transpose(-1, -2)
+
+
+@register_scheme("comrope_ap")
+class ComRoPEAP(ComRoPEBase):
+    """ComRoPE with axial partition.
+
+    Args:
+        dim, num_heads, depth: model shape; one P per layer.
+        block_size: b, 8 by default (2 gives axial RoPE with learnable angles).
+        ndim: 2 (y, x) or 3 (t, y, x); block j rotates with axis j mod ndim.
+        init_std: P ~ N(0, init_std^2).
+        pos_norm: ``test_grid`` ((i + 0.5) / n) or ``train_grid`` ((i + 0.5) / n_train, extrapolates).
+        rotate_prefix: rotate prefix tokens at the grid centre as the reference does (default: identity).
+        grid_size: training grid (the model passes it).
+        extrapolation: ``none`` or ``pi`` (with ``pos_norm='train_grid'``).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        depth: int = 1,
+        block_size: int = 8,
+        ndim: int = 2,
+        init_std: float = 1.0,
+        pos_norm: str = "test_grid",
+        rotate_prefix: bool = False,
+        grid_size: Sequence[int] | None = None,
+        extrapolation: str = "none",
+    ) -> None:
+        super().__init__(
+            dim, num_heads, depth, block_size, ndim, init_std, pos_norm, rotate_prefix, grid_size, extrapolation
+        )
+        axis = torch.arange(self.num_blocks) % ndim
+        self.register_buffer("axis_mask", (axis.unsqueeze(1) == torch.arange(ndim)).float(), persistent=False)
+
+    def generators(self, layer: int) -> torch.Tensor:
+        # (h, m, 1, b, b) * (m, ndim, 1, 1): block j only on axis j mod ndim
+        return self.skew_blocks(layer).unsqueeze(2) * self.axis_mask[:, :, None, None]

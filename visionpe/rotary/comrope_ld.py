@@ -1,0 +1,55 @@
+"""ComRoPE-LD: Yu et al., "ComRoPE: Scalable and Robust Rotary Position Embedding Parameterized by Trainable
+Commuting Angle Matrices", CVPR 2025 (Longin-Yu/ComRoPE).
+
+Linearly dependent generators: B_ij = theta_ij (P_j - P_j^T), so sum_i x_i A_i has block j equal to
+(sum_i theta_ij x_i)(P_j - P_j^T): all A_i commute and R(x)^T R(y) = R(y - x) exactly.
+P: (h, m, b, b) ~ N(0, init_std^2) per layer; theta: (n_axes, m) ~ N(0, 1) per layer, shared across heads.
+Positions and prefix handling as ComRoPE-AP (:mod:`.comrope_ap`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..registry import register_scheme
+from .comrope_ap import ComRoPEBase
+
+__all__ = ["ComRoPELD"]
+
+
+@register_scheme("comrope_ld")
+class ComRoPELD(ComRoPEBase):
+    """ComRoPE with linearly dependent generators.
+
+    Args:
+        dim, num_heads, depth: model shape.
+        block_size: b, 8 by default.
+        ndim: 2 (y, x) or 3 (t, y, x).
+        init_std: P ~ N(0, init_std^2); theta ~ N(0, 1).
+        pos_norm, rotate_prefix, grid_size, extrapolation: as :class:`~visionpe.rotary.comrope_ap.ComRoPEAP`.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        depth: int = 1,
+        block_size: int = 8,
+        ndim: int = 2,
+        init_std: float = 1.0,
+        pos_norm: str = "test_grid",
+        rotate_prefix: bool = False,
+        grid_size: Sequence[int] | None = None,
+        extrapolation: str = "none",
+    ) -> None:
+        super().__init__(
+            dim, num_heads, depth, block_size, ndim, init_std, pos_norm, rotate_prefix, grid_size, extrapolation
+        )
+        self.multipliers = nn.Parameter(torch.randn(depth, self.num_blocks, ndim))
+
+    def generators(self, layer: int) -> torch.Tensor:
+        theta = self.multipliers[layer if self.multipliers.shape[0] > 1 else 0]  # (m, ndim)
+        return self.skew_blocks(layer).unsqueeze(2) * theta[None, :, :, None, None]

@@ -1,0 +1,87 @@
+"""Shared machinery of the Lie-group rotary schemes (LieRE, ComRoPE): R(p) = exp(sum_a p_a A_a) in b x b blocks.
+
+``prepare`` keeps the (possibly PI-scaled) coordinates; ``apply`` exponentiates the layer's generators for every
+token once per forward (:func:`~visionpe.rotary.skew_exp.linear_skew_expm`) and rotates q and k per block.
+Only PI (coordinate scaling) applies: the rotations have no frequency list that NTK or YaRN could rescale.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from ..base import RotaryPositionEncoding
+from .scaling import Extrapolation
+from .skew_exp import apply_block_rotation, linear_skew_expm
+
+__all__ = ["LieBlockRotary"]
+
+
+class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
+    """Base class: subclasses implement :meth:`generators` -> (num_heads | 1, head_dim // b, ndim, b, b)."""
+
+    supported_extrapolation = ("none", "pi")
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        depth: int,
+        block_size: int,
+        ndim: int,
+        grid_size: Sequence[int] | None,
+        extrapolation: str,
+    ) -> None:
+        super().__init__()
+        for name, value in (("dim", dim), ("num_heads", num_heads), ("depth", depth), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if dim % num_heads:
+            raise ValueError(f"dim must be divisible by num_heads, got dim={dim}, num_heads={num_heads}")
+        head_dim = dim // num_heads
+        if block_size < 2 or head_dim % block_size:
+            raise ValueError(f"block_size must be >= 2 and divide head_dim={head_dim}, got block_size={block_size}")
+        if ndim not in (2, 3):
+            raise ValueError(f"ndim must be 2 or 3, got {ndim!r}")
+        if grid_size is not None and len(grid_size) != ndim:
+            raise ValueError(f"grid_size must have ndim={ndim} entries, got {tuple(grid_size)}")
+        self.dim, self.num_heads, self.depth, self.ndim = dim, num_heads, depth, ndim
+        self.head_dim, self.block_size, self.num_blocks = head_dim, block_size, head_dim // block_size
+        self.init_extrapolation(extrapolation, grid_size)
+
+    @property
+    def ndims(self) -> tuple[int, ...]:
+        return (self.ndim,)
+
+    @abstractmethod
+    def generators(self, layer: int) -> torch.Tensor:
+        """(num_heads | 1, num_blocks, ndim, b, b) skew-symmetric generators of block ``layer``."""
+
+    def prefix_coords(self, num_prefix_tokens: int, coords: torch.Tensor) -> torch.Tensor | None:
+        """Coordinates of rotated prefix tokens, or None: prefix tokens get the identity."""
+        return None
+
+    def prepare(
+        self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None
+    ) -> tuple[torch.Tensor, int]:
+        coords = coords.float()
+        factors = self.scale_factors(grid_size)
+        if factors is not None:  # PI: p_a -> p_a / s_a
+            coords = coords / torch.tensor(factors, device=coords.device)
+        prefix = self.prefix_coords(num_prefix_tokens, coords) if num_prefix_tokens else None
+        if prefix is not None:
+            return torch.cat((prefix, coords)), 0
+        return coords, num_prefix_tokens
+
+    def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
+        """(num_heads | 1, N, num_blocks, b, b) fp32 rotations of block ``layer`` at ``coords`` (N, ndim)."""
+        gen = self.generators(layer)
+        heads = gen.shape[0]
+        rot = linear_skew_expm(gen.flatten(0, 1), coords)  # (N, heads * blocks, b, b)
+        return rot.view(len(coords), heads, self.num_blocks, self.block_size, self.block_size).transpose(0, 1)
+
+    def apply(self, qk: torch.Tensor, state: tuple[torch.Tensor, int], layer: int) -> torch.Tensor:
+        coords, num_prefix_tokens = state
+        return apply_block_rotation(qk, self.rotations(coords, layer), num_prefix_tokens)

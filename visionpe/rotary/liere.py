@@ -1,0 +1,65 @@
+"""LieRE: Ostmeier et al., "LieRE: Lie Rotational Positional Encodings", ICML 2025 (StanfordMIMI/LieRE).
+
+R(p) = exp(sum_i p_i A_i), A_i = U_i - U_i^T with U_i = triu(raw_i, 1), in b x b diagonal blocks (LieRE_b;
+b = 8 is the paper's best, b = head_dim is dense), learned per layer and head; q' = R q, k' = R k.
+Not exactly relative for b >= 3 with two or more axes (the A_i do not commute); b = 2 recovers RoPE-Mixed.
+Positions are integer patch indices (`index`); prefix tokens are not rotated [visionpe].
+Init raw ~ U[0, 1) * 2 pi as the reference, which feeds positions in [0, 1] over the training grid; with integer
+positions the same rotations need raw ~ U[0, 1) * 2 pi / (n0 - 1), the default ``init_scale`` [visionpe].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..registry import register_scheme
+from .lie_base import LieBlockRotary
+from .skew_exp import skew_from_params
+
+__all__ = ["LieRE"]
+
+
+@register_scheme("liere")
+class LieRE(LieBlockRotary):
+    """Learned Lie-algebra rotations in b x b blocks per layer and head.
+
+    Args:
+        dim, num_heads, depth: model shape; generators per block and head.
+        block_size: b (2, 4, 8, ..., head_dim); 8 by default.
+        ndim: 2 for images (y, x), 3 for video (t, y, x).
+        init_scale: raw ~ U[0, 1) * init_scale; None: 2 pi / (n0 - 1), n0 the largest training grid side
+            (2 pi / 13 when the grid is unknown).
+        grid_size: training grid (the model passes it).
+        extrapolation: ``none`` or ``pi`` (positions divided by test / train grid per axis).
+
+    Parameters: depth * num_heads * ndim * (head_dim / b) * b (b - 1) / 2.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        depth: int = 1,
+        block_size: int = 8,
+        ndim: int = 2,
+        init_scale: float | None = None,
+        grid_size: Sequence[int] | None = None,
+        extrapolation: str = "none",
+    ) -> None:
+        super().__init__(dim, num_heads, depth, block_size, ndim, grid_size, extrapolation)
+        if init_scale is None:
+            side = max(grid_size) if grid_size is not None else 14
+            init_scale = 2 * math.pi / max(side - 1, 1)
+        if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale >= 0):
+            raise ValueError(f"init_scale must be a finite non-negative number, got {init_scale!r}")
+        count = block_size * (block_size - 1) // 2
+        self.init_scale = float(init_scale)
+        self.generator_params = nn.Parameter(torch.rand(depth, num_heads, self.num_blocks, ndim, count) * init_scale)
+
+    def generators(self, layer: int) -> torch.Tensor:
+        raw = self.generator_params[layer if self.generator_params.shape[0] > 1 else 0]
+        return skew_from_params(raw, self.block_size)

@@ -1,0 +1,191 @@
+"""Cayley-STRING: Schenck et al., "Learning the RoPEs: Better 2D and 3D Position Encodings with STRING", ICML 2025.
+
+R(r) = RoPE(r) P with P = (I - S)(I + S)^-1, S = A - A^T: one learned orthogonal matrix per layer and head,
+shared by q, k and every token, and RoPE(r) with learned frequencies phi_j = sum_k r_k theta_{k,j}. Exactly
+relative: R(r_i)^T R(r_j) = P^T RoPE(r_j - r_i) P. Init S = 0, theta = axial RoPE (base 100): exactly RoPE-Axial.
+
+P multiplies every token, prefix tokens included (only RoPE skips them): that is what makes
+:func:`fold_string_` exact, since folding P into W_q and W_k transforms every token's q and k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..base import check_coords
+from ..registry import register_scheme
+from .base import LinearRotary
+from .rope_axial import axial_frequencies
+from .skew_exp import skew_from_params
+
+__all__ = ["StringBase", "StringCayley", "cayley_orthogonal", "fold_string_"]
+
+
+def cayley_orthogonal(skew: torch.Tensor) -> torch.Tensor:
+    """P = (I - S)(I + S)^-1 for skew-symmetric S (..., d, d), in fp32; (I - S) and (I + S)^-1 commute.
+
+    Example:
+        >>> cayley_orthogonal(torch.zeros(2, 2))
+        tensor([[1., 0.],
+                [0., 1.]])
+    """
+    if skew.ndim < 2 or skew.shape[-1] != skew.shape[-2]:
+        raise ValueError(f"skew must have shape (..., d, d), got {tuple(skew.shape)}")
+    with torch.autocast(skew.device.type, enabled=False):
+        skew = skew.float()
+        eye = torch.eye(skew.shape[-1], device=skew.device)
+        return torch.linalg.solve(eye + skew, eye - skew)
+
+
+class StringBase(LinearRotary):
+    """STRING as RoPE(r) times a fixed-per-forward orthogonal basis change ``string_basis()``.
+
+    ``apply`` returns RoPE(r) P x for every token (prefix tokens get P only); once :func:`fold_string_` has
+    moved P into the q/k projections, ``apply`` is plain RoPE. ``rotate`` always returns R(r) x.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("folded", torch.zeros((), dtype=torch.bool))
+
+    def string_basis(self) -> torch.Tensor:
+        """(depth | 1, num_heads | 1, head_dim, head_dim) orthogonal P, applied before RoPE."""
+        raise RuntimeError(f"{type(self).__name__} must define string_basis()")
+
+    def rotation_output_basis(self) -> torch.Tensor | None:
+        """Orthogonal matrix Q with R(r) = Q^T RoPE(r) P, or None when Q = I (``rotate`` applies Q^T)."""
+        return None
+
+    def prepare(
+        self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        cos, sin = super().prepare(coords, num_prefix_tokens, grid_size)
+        basis = None if bool(self.folded) else self.string_basis()
+        return cos, sin, basis
+
+    def apply(self, qk: torch.Tensor, state, layer: int) -> torch.Tensor:
+        cos, sin, basis = state
+        if basis is not None:
+            basis = basis[layer] if basis.shape[0] > 1 else basis[0]
+            qk = qk @ basis.to(qk.dtype).transpose(-1, -2)
+        return super().apply(qk, (cos, sin), layer)
+
+    def rotate(self, x: torch.Tensor, coords: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """R(r) x for ``x`` (B, num_heads, N, head_dim) at ``coords`` (N, ndim), folded or not."""
+        if not isinstance(x, torch.Tensor) or x.ndim != 4:
+            raise ValueError(f"x must be a (B, num_heads, N, head_dim) tensor, got {getattr(x, 'shape', type(x))}")
+        cos, sin = LinearRotary.prepare(self, _checked(self, x, coords), 0)
+        basis = self.string_basis()
+        basis = basis[layer] if basis.shape[0] > 1 else basis[0]
+        out = LinearRotary.apply(self, x @ basis.to(x.dtype).transpose(-1, -2), (cos, sin), layer)
+        out_basis = self.rotation_output_basis()
+        return out if out_basis is None else out @ out_basis.to(x.dtype)
+
+
+def _checked(scheme: StringBase, x: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
+    coords = check_coords(coords, scheme.ndims, type(scheme).__name__)
+    if coords.shape[0] != x.shape[2]:
+        raise ValueError(f"coords has {coords.shape[0]} rows but x has {x.shape[2]} tokens (dim 2)")
+    return coords.to(x.device)
+
+
+@register_scheme("string_cayley")
+class StringCayley(StringBase):
+    """Cayley-STRING for 2D (y, x) or 3D coordinates.
+
+    Args:
+        dim, num_heads, depth: model shape; one P and one frequency set per block and head.
+        base: base of the axial RoPE frequencies the learned frequencies start from (100, as RoPE-Axial).
+        ndim: 2 for images, 3 for (t, y, x) video or (z, y, x) RGB-D positions passed to ``rotate``.
+        learn_frequencies: learn theta (the paper learns all angle frequencies) or keep axial RoPE's.
+        coord_mode: grid convention (``index``).
+        grid_size, extrapolation, yarn_alpha, yarn_beta: training grid and A13 scaling of the RoPE part.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        depth: int = 1,
+        base: float = 100.0,
+        ndim: int = 2,
+        learn_frequencies: bool = True,
+        coord_mode: str = "index",
+        grid_size: Sequence[int] | None = None,
+        extrapolation: str = "none",
+        yarn_alpha: float = 1.0,
+        yarn_beta: float = 32.0,
+    ) -> None:
+        super().__init__(dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta)
+        if not base > 0:
+            raise ValueError(f"base must be positive, got {base!r}")
+        pairs = self.head_dim // 2
+        n_t = pairs // 4 if ndim == 3 else 0
+        n_x = (pairs - n_t) // 2
+        axis_pairs = (n_x, pairs - n_t - n_x) + ((n_t,) if ndim == 3 else ())
+        freqs = axial_frequencies(self.head_dim, base, axis_pairs).expand(depth, num_heads, ndim, pairs).clone()
+        self.freqs = nn.Parameter(freqs, requires_grad=learn_frequencies)
+        # S = A - A^T from the strictly upper entries of A: d (d - 1) / 2 numbers per layer and head
+        count = self.head_dim * (self.head_dim - 1) // 2
+        self.skew_params = nn.Parameter(torch.zeros(depth, num_heads, count))
+        self.base = float(base)
+
+    def frequencies(self) -> torch.Tensor:
+        return self.freqs
+
+    def string_basis(self) -> torch.Tensor:
+        return cayley_orthogonal(skew_from_params(self.skew_params, self.head_dim))
+
+    def no_weight_decay(self) -> set[str]:
+        return {"freqs"}
+
+
+def fold_string_(model: nn.Module) -> nn.Module:
+    """Fold every STRING scheme's orthogonal P into the q and k projections of ``model``, in place.
+
+    W_q -> P W_q and W_k -> P W_k per head (biases alike); the schemes then apply RoPE only, so inference
+    costs what RoPE costs and the outputs are unchanged (to fp32 rounding). Returns ``model``.
+
+    Raises ValueError when the model has no STRING scheme, is already folded, or normalises q/k after the
+    projection (qk_norm): P would then no longer commute with the normalisation.
+    """
+    from ..attention import PosAttention
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    schemes = [m for m in model.modules() if isinstance(m, StringBase)]
+    if not schemes:
+        raise ValueError(f"{type(model).__name__} has no STRING scheme (string_cayley or string_circulant) to fold")
+    if len(schemes) > 1:
+        raise ValueError(f"fold_string_ folds one STRING scheme per model, found {len(schemes)}")
+    scheme = schemes[0]
+    if bool(scheme.folded):
+        raise ValueError(f"{type(scheme).__name__} is already folded into the q/k projections")
+    attentions = [m for m in model.modules() if isinstance(m, PosAttention)]
+    if not attentions:
+        raise ValueError(f"{type(model).__name__} has no PosAttention whose q/k projections could take P")
+    with torch.no_grad():
+        basis = scheme.string_basis()
+        for attn in attentions:
+            if not (isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)):
+                raise ValueError("fold_string_ needs q/k without normalisation (qk_norm=False): P does not commute")
+            heads, head_dim = attn.num_heads, attn.head_dim
+            if (heads, head_dim) != (scheme.num_heads, scheme.head_dim):
+                raise ValueError(
+                    f"attention has {heads} heads of {head_dim} channels, the scheme {scheme.num_heads} of "
+                    f"{scheme.head_dim}"
+                )
+            p = basis[attn.layer] if basis.shape[0] > 1 else basis[0]
+            p = p.expand(heads, head_dim, head_dim).to(attn.qkv.weight.dtype)
+            width = heads * head_dim
+            for start in (0, width):  # q rows, then k rows of the fused qkv projection
+                rows = attn.qkv.weight[start : start + width].view(heads, head_dim, -1)
+                attn.qkv.weight[start : start + width] = (p @ rows).reshape(width, -1)
+                if attn.qkv.bias is not None:
+                    bias = attn.qkv.bias[start : start + width].view(heads, head_dim, 1)
+                    attn.qkv.bias[start : start + width] = (p @ bias).reshape(width)
+        scheme.folded.fill_(True)
+    return model
