@@ -11,9 +11,10 @@ from timm.data import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from ..models.convert import convert_timm_state_dict
+from ..models.video_vit import VideoPEViT
 from ..models.vit import VisionPEViT
 
-__all__ = ["VisionPEViT"]
+__all__ = ["VisionPEViT", "VideoPEViT"]
 
 _SIZES = {
     "tiny": dict(embed_dim=192, depth=12, num_heads=3),
@@ -39,7 +40,10 @@ def _cfg(**kwargs):
     }
 
 
-default_cfgs = generate_default_cfgs({f"visionpe_vit_{size}_patch16_224": _cfg() for size in _SIZES})
+default_cfgs = generate_default_cfgs(
+    {f"visionpe_vit_{size}_patch16_224": _cfg() for size in _SIZES}
+    | {f"visionpe_video_vit_{size}_tubelet2x16": _cfg() for size in _SIZES}
+)
 
 
 def _filter_fn(state_dict, model):
@@ -85,3 +89,27 @@ def visionpe_vit_base_patch16_224(pretrained: bool = False, **kwargs) -> VisionP
 def visionpe_vit_large_patch16_224(pretrained: bool = False, **kwargs) -> VisionPEViT:
     """ViT-L/16 (dim 1024, depth 24, 16 heads) with ``pos_embed=`` any visionpe scheme."""
     return _create("visionpe_vit_large_patch16_224", "large", pretrained, **kwargs)
+
+
+def _create_video(variant: str, size: str, pretrained: bool, **kwargs) -> VideoPEViT:
+    args = dict(patch_size=16, num_frames=16, tubelet_size=2, **_SIZES[size])
+    args.update(kwargs)
+    return build_model_with_cfg(VideoPEViT, variant, pretrained, **args)
+
+
+@register_model
+def visionpe_video_vit_tiny_tubelet2x16(pretrained: bool = False, **kwargs) -> VideoPEViT:
+    """Video ViT-Ti with 2x16x16 tubelets, 16 frames; ``pos_embed=`` a 3D-capable scheme."""
+    return _create_video("visionpe_video_vit_tiny_tubelet2x16", "tiny", pretrained, **kwargs)
+
+
+@register_model
+def visionpe_video_vit_small_tubelet2x16(pretrained: bool = False, **kwargs) -> VideoPEViT:
+    """Video ViT-S with 2x16x16 tubelets, 16 frames; ``pos_embed=`` a 3D-capable scheme."""
+    return _create_video("visionpe_video_vit_small_tubelet2x16", "small", pretrained, **kwargs)
+
+
+@register_model
+def visionpe_video_vit_base_tubelet2x16(pretrained: bool = False, **kwargs) -> VideoPEViT:
+    """Video ViT-B with 2x16x16 tubelets, 16 frames; ``pos_embed=`` a 3D-capable scheme."""
+    return _create_video("visionpe_video_vit_base_tubelet2x16", "base", pretrained, **kwargs)

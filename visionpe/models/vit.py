@@ -83,7 +83,8 @@ class VisionPEViT(VisionTransformer):
                 raise ValueError(f"{key} is set by VisionPEViT, got {key}={kwargs[key]!r}")
         super().__init__(pos_embed="none", block_fn=PosBlock, **kwargs)
         depth, num_heads = len(self.blocks), self.blocks[0].attn.num_heads
-        context = {"grid_size": tuple(self.patch_embed.grid_size), "num_prefix_tokens": self.num_prefix_tokens}
+        grid_size = tuple(self.patch_embed.grid_size)
+        context = {"grid_size": grid_size, "num_prefix_tokens": self.num_prefix_tokens, "ndim": len(grid_size)}
         self.pos_schemes = nn.ModuleDict()
         for name, opts in schemes.items():
             params = inspect.signature(get_scheme_class(name).__init__).parameters
