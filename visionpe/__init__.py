@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "grid",
+    "multimodal",
     "list_schemes",
     "create_pos_embed",
     "register_scheme",

@@ -1,0 +1,217 @@
+"""visionpe schemes inside real transformers Qwen-VL models, built from tiny random configs (no downloads)."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from visionpe.multimodal import get_position_ids, list_multimodal_schemes
+
+transformers = pytest.importorskip("transformers")
+from visionpe.integrations.hf import apply_position_scheme  # noqa: E402
+
+IMAGE, VIDEO, VSTART, VEND = 100, 101, 102, 103
+TEXT = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+VISION = dict(depth=1, num_heads=2, patch_size=2, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND)
+GEN = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+def tiny_model(family: str):
+    torch.manual_seed(0)
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    if family == "qwen2_vl":
+        config = transformers.Qwen2VLConfig(
+            text_config={**TEXT, "rope_parameters": {**rope, "mrope_section": [2, 3, 3]}},
+            vision_config={**VISION, "embed_dim": 32, "hidden_size": 64, "mlp_ratio": 2},
+            **TOKENS,
+        )
+        return transformers.Qwen2VLForConditionalGeneration(config).eval()
+    if family == "qwen2_5_vl":
+        config = transformers.Qwen2_5_VLConfig(
+            text_config={**TEXT, "rope_parameters": {**rope, "mrope_section": [2, 3, 3]}},
+            vision_config={
+                **VISION,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "out_hidden_size": 64,
+                "window_size": 8,
+                "fullatt_block_indexes": [0],
+                "tokens_per_second": 2,
+            },
+            **TOKENS,
+        )
+        return transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    config = transformers.Qwen3VLConfig(
+        text_config={**TEXT, "head_dim": 16, "rope_parameters": {**rope, "mrope_section": [4, 2, 2]}},
+        vision_config={
+            **VISION,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": 64,
+            "num_position_embeddings": 16,
+            "deepstack_visual_indexes": [0],
+        },
+        **TOKENS,
+    )
+    return transformers.Qwen3VLForConditionalGeneration(config).eval()
+
+
+def batch(blocks_per_sample, with_video=False, seed=0):
+    """Left-padded ids with <vs> block <ve> spans; blocks are (kind, (t, h, w)) with kind 1 image, 2 video."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, images, videos = [], [], []
+    for blocks in blocks_per_sample:
+        ids, types = torch.randint(4, 100, (3,), generator=gen).tolist(), [0, 0, 0]
+        for kind, thw in blocks:
+            n = thw[0] * thw[1] * thw[2] // 4
+            ids += [VSTART] + [IMAGE if kind == 1 else VIDEO] * n + [VEND]
+            types += [0] + [kind] * n + [0]
+            (images if kind == 1 else videos).append(thw)
+            ids += torch.randint(4, 100, (2,), generator=gen).tolist()
+            types += [0, 0]
+        rows.append((ids, types))
+    length = max(len(r[0]) for r in rows)
+    input_ids = torch.zeros(len(rows), length, dtype=torch.long)
+    types = torch.zeros_like(input_ids)
+    mask = torch.zeros_like(input_ids)
+    for b, (ids, tt) in enumerate(rows):
+        input_ids[b, length - len(ids) :] = torch.tensor(ids)
+        types[b, length - len(ids) :] = torch.tensor(tt)
+        mask[b, length - len(ids) :] = 1
+    out = dict(input_ids=input_ids, attention_mask=mask, mm_token_type_ids=types)
+    patch_dim = 3 * 2 * 2 * 2
+    if images:
+        grid = torch.tensor(images)
+        out.update(image_grid_thw=grid, pixel_values=torch.randn(int(grid.prod(1).sum()), patch_dim, generator=gen))
+    if videos:
+        grid = torch.tensor(videos)
+        out.update(
+            video_grid_thw=grid, pixel_values_videos=torch.randn(int(grid.prod(1).sum()), patch_dim, generator=gen)
+        )
+    return out
+
+
+IMAGES = [[(1, (1, 4, 4)), (1, (1, 4, 6))], [(1, (1, 4, 4))]]
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_mrope_reproduces_model_in_forward_and_generate(family):
+    model = tiny_model(family)
+    inputs = batch(IMAGES)
+    scheme = "mrope_interleaved" if family == "qwen3_vl" else "mrope"
+    patched = apply_position_scheme(copy.deepcopy(model), scheme)
+    with torch.no_grad():
+        ref, out = model(**inputs).logits, patched(**inputs).logits
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+        gen_ref, gen_out = model.generate(**inputs, **GEN), patched.generate(**inputs, **GEN)
+    assert torch.equal(gen_ref.sequences, gen_out.sequences)
+    for step_ref, step_out in zip(gen_ref.logits, gen_out.logits, strict=True):
+        torch.testing.assert_close(step_out, step_ref, rtol=0, atol=1e-5)
+
+
+def _continue_batch(inputs, sequences):
+    """The prompt plus all generated tokens but the last, as one uncached forward input."""
+    new = sequences.shape[1] - inputs["input_ids"].shape[1] - 1
+    grown = dict(inputs, input_ids=sequences[:, :-1])
+    grown["attention_mask"] = torch.cat([inputs["attention_mask"], torch.ones_like(sequences[:, :new])], 1)
+    grown["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(sequences[:, :new])], 1)
+    return grown, new
+
+
+@pytest.mark.parametrize("scheme", [s for s in list_multimodal_schemes() if s != "mrope"])
+def test_every_scheme_runs_changes_logits_and_decodes_consistently(scheme):
+    model = tiny_model("qwen2_5_vl")
+    with_video = scheme != "circle_rope"
+    blocks = [IMAGES[0], [(2, (2, 4, 4))] if with_video else IMAGES[1]]
+    inputs = batch(blocks)
+    if with_video:
+        inputs["second_per_grid_ts"] = torch.tensor([2.0])
+    patched = apply_position_scheme(copy.deepcopy(model), scheme)
+    with torch.no_grad():
+        ref = model(**inputs).logits
+        out = patched(**inputs).logits
+        assert torch.isfinite(out).all() and (out - ref).abs().max() > 1e-4
+        generated = patched.generate(**inputs, **GEN)
+        # KV-cached decoding == one uncached forward over prompt + generated tokens (rope_deltas are consistent).
+        grown, new = _continue_batch(inputs, generated.sequences)
+        patched.model.rope_deltas = None
+        full = patched(**grown).logits
+    for step in range(new + 1):
+        torch.testing.assert_close(
+            generated.logits[step], full[:, inputs["input_ids"].shape[1] - 1 + step], rtol=0, atol=1e-4
+        )
+
+
+def test_adapter_ids_are_visionpe_ids():
+    model = apply_position_scheme(tiny_model("qwen2_vl"), "v2pe", delta=0.5)
+    inputs = batch(IMAGES)
+    pos, delta = model.model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"], None, inputs["attention_mask"]
+    )
+    ref, ref_delta = get_position_ids(
+        "v2pe",
+        inputs["mm_token_type_ids"],
+        inputs["image_grid_thw"],
+        None,
+        inputs["attention_mask"],
+        delta=0.5,
+        pad_value=0,
+    )
+    assert torch.equal(pos, ref) and torch.equal(delta, ref_delta) and pos.dtype == torch.float32
+
+
+def test_unsupported_model_and_bad_options():
+    with pytest.raises(TypeError, match="supports Qwen2VLModel.*Qwen2_5_VLModel.*got Linear"):
+        apply_position_scheme(torch.nn.Linear(2, 2), "mrope")
+    model = tiny_model("qwen2_vl")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['gamma'\]"):
+        apply_position_scheme(model, "videorope", gamma=1.0)
+    with pytest.raises(ValueError, match="unknown multimodal scheme"):
+        apply_position_scheme(model, "rope2000")
+    with pytest.raises(ValueError, match="per-call input"):
+        apply_position_scheme(model, "mrope_abs_time", second_per_grid_ts=[1.0])
+
+
+def test_abs_time_with_transformers_continuation_reproduces_qwen25_on_video():
+    model = tiny_model("qwen2_5_vl")
+    inputs = batch([IMAGES[0], [(2, (4, 4, 4))]])
+    inputs["second_per_grid_ts"] = torch.tensor([0.5])  # fps 4: the float interval that must not collapse
+    patched = apply_position_scheme(copy.deepcopy(model), "mrope_abs_time", continuation="spatial_extent")
+    legacy = apply_position_scheme(copy.deepcopy(model), "mrope_abs_time")
+    with torch.no_grad():
+        ref = model(**inputs).logits
+        torch.testing.assert_close(patched(**inputs).logits, ref, rtol=0, atol=1e-5)
+        assert (legacy(**inputs).logits - ref).abs().max() > 1e-4  # the original rule differs after a video
+
+
+def test_import_without_transformers():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'transformers':\n"
+        "            raise ImportError('blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import visionpe, visionpe.multimodal, visionpe.integrations.hf as hf\n"
+        "try:\n"
+        "    hf.apply_position_scheme(None, 'mrope')\n"
+        "except ImportError as err:\n"
+        "    assert 'pip install visionpe[vlm]' in str(err)\n"
+        "    print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr

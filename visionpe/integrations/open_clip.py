@@ -1,0 +1,174 @@
+"""open_clip towers: a CLIP model whose image tower is a visionpe ViT, built by open_clip's own factory.
+
+Radford et al., "Learning Transferable Visual Models From Natural Language Supervision", ICML 2021;
+open_clip (Ilharco et al., 2021) builds timm towers by name from a model config with ``timm_model_name``.
+:func:`register_open_clip_model` registers (1) a timm entrypoint that builds
+:class:`~visionpe.models.vit.VisionPEViT` with the chosen position scheme and (2) an open_clip model config
+that names it, so that ``open_clip.create_model(name)`` returns the CLIP model. The tower is created with
+``dynamic_img_size=True``: it also runs at resolutions other than the training one.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import types
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from timm.models import build_model_with_cfg, register_model
+
+from ..models.vit import VisionPEViT, normalize_schemes
+
+__all__ = ["register_open_clip_model", "register_visionpe_tower"]
+
+# Entrypoints live in a module of their own: timm appends every registered name to its module's __all__.
+_TOWERS = sys.modules.setdefault(
+    "visionpe_open_clip_towers", types.ModuleType("visionpe_open_clip_towers", "timm towers for open_clip")
+)
+_CONFIG_DIR: Path | None = None
+
+
+def register_visionpe_tower(
+    tower_name: str,
+    *,
+    pos_embed: str | Sequence[str],
+    pos_embed_kwargs: dict[str, Any] | None = None,
+    img_size: int = 224,
+    patch_size: int = 16,
+    embed_dim: int = 384,
+    depth: int = 12,
+    num_heads: int = 6,
+    **vit_kwargs: Any,
+) -> str:
+    """Register ``tower_name`` with timm: a VisionPEViT with ``pos_embed``, any input size, no pretrained weights.
+
+    The arguments are :class:`VisionPEViT`'s (``vit_kwargs`` go to timm's ``VisionTransformer``).
+    Returns ``tower_name``. Input (B, 3, H, W) with H, W multiples of ``patch_size``.
+    """
+    if not isinstance(tower_name, str) or not tower_name.isidentifier():
+        raise ValueError(f"tower_name must be a Python identifier, got {tower_name!r}")
+    normalize_schemes(pos_embed, pos_embed_kwargs)  # fail now on unknown schemes or options, not at build
+    for key, value in (
+        ("img_size", img_size),
+        ("patch_size", patch_size),
+        ("embed_dim", embed_dim),
+        ("depth", depth),
+        ("num_heads", num_heads),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{key} must be a positive int, got {value!r}")
+    if img_size % patch_size:
+        raise ValueError(f"img_size={img_size} must be divisible by patch_size={patch_size}")
+    defaults = dict(
+        pos_embed=pos_embed,
+        pos_embed_kwargs=pos_embed_kwargs,
+        img_size=img_size,
+        patch_size=patch_size,
+        embed_dim=embed_dim,
+        depth=depth,
+        num_heads=num_heads,
+        dynamic_img_size=True,
+        **vit_kwargs,
+    )
+    pretrained_cfg = {
+        "num_classes": 0,
+        "input_size": (3, img_size, img_size),
+        "pool_size": None,
+        "fixed_input_size": False,
+        "first_conv": "patch_embed.proj",
+        "classifier": "head",
+    }
+
+    def entrypoint(pretrained: bool = False, **kwargs: Any) -> VisionPEViT:
+        if pretrained:
+            raise ValueError(f"{tower_name} has no pretrained weights; use timm_model_pretrained=False")
+        # timm's factory passes its pretrained-config plumbing along; this tower has a fixed config.
+        cfg = dict(pretrained_cfg)
+        for key in ("pretrained_cfg", "pretrained_cfg_overlay"):
+            extra = kwargs.pop(key, None)
+            cfg.update(extra if isinstance(extra, dict) else {})
+        kwargs.pop("cache_dir", None)
+        return build_model_with_cfg(VisionPEViT, tower_name, False, pretrained_cfg=cfg, **{**defaults, **kwargs})
+
+    entrypoint.__name__ = entrypoint.__qualname__ = tower_name
+    entrypoint.__module__ = _TOWERS.__name__
+    setattr(_TOWERS, tower_name, entrypoint)
+    register_model(entrypoint)
+    return tower_name
+
+
+def register_open_clip_model(
+    name: str,
+    *,
+    pos_embed: str | Sequence[str],
+    embed_dim: int = 512,
+    vision: dict[str, Any] | None = None,
+    text_cfg: dict[str, Any] | None = None,
+    timm_pool: str = "avg",
+    config_dir: str | Path | None = None,
+) -> str:
+    """Register an open_clip model ``name`` whose vision tower is a visionpe ViT with ``pos_embed``.
+
+    Args:
+        name: the open_clip model name to register (``open_clip.create_model(name)`` afterwards).
+        pos_embed: visionpe vision scheme(s), e.g. ``"rope_mixed"`` or ``["learned", "rope_axial"]``.
+        embed_dim: CLIP joint embedding width.
+        vision: :func:`register_visionpe_tower` options (``img_size``, ``embed_dim``, ``depth``...).
+        text_cfg: open_clip text tower config (``context_length``, ``vocab_size``, ``width``, ``heads``,
+            ``layers``); open_clip's defaults where omitted.
+        timm_pool: ``"avg"`` or ``"token"`` pooling of the ViT tokens before the projection.
+        config_dir: where to write the open_clip JSON config (a temporary directory by default).
+
+    Returns:
+        ``name``.
+
+    Example:
+        >>> import open_clip, torch
+        >>> from visionpe.integrations.open_clip import register_open_clip_model
+        >>> name = register_open_clip_model(
+        ...     "visionpe-doc-clip", pos_embed="rope_mixed", embed_dim=16,
+        ...     vision=dict(img_size=32, embed_dim=32, depth=1, num_heads=2),
+        ...     text_cfg=dict(context_length=8, vocab_size=64, width=16, heads=2, layers=1))
+        >>> model = open_clip.create_model(name)
+        >>> model.encode_image(torch.randn(1, 3, 64, 64)).shape
+        torch.Size([1, 16])
+    """
+    global _CONFIG_DIR
+    import open_clip
+
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ValueError(f"name must be a non-empty model name without '/', got {name!r}")
+    if isinstance(embed_dim, bool) or not isinstance(embed_dim, int) or embed_dim <= 0:
+        raise ValueError(f"embed_dim must be a positive int, got {embed_dim!r}")
+    if timm_pool not in ("avg", "token"):
+        raise ValueError(f"timm_pool must be 'avg' or 'token', got {timm_pool!r}")
+    for arg, value in (("vision", vision), ("text_cfg", text_cfg)):
+        if value is not None and not isinstance(value, dict):
+            raise TypeError(f"{arg} must be a dict or None, got {type(value).__name__}")
+    vision = dict(vision or {})
+    tower = register_visionpe_tower(
+        "visionpe_clip_" + "".join(c if c.isalnum() else "_" for c in name), pos_embed=pos_embed, **vision
+    )
+    config = {
+        "embed_dim": embed_dim,
+        "vision_cfg": {
+            "timm_model_name": tower,
+            "timm_model_pretrained": False,
+            "timm_pool": timm_pool,
+            "timm_proj": "linear",
+            "image_size": vision.get("img_size", 224),
+        },
+        "text_cfg": dict(text_cfg or {}),
+    }
+    if config_dir is None:
+        if _CONFIG_DIR is None:
+            _CONFIG_DIR = Path(tempfile.mkdtemp(prefix="visionpe_open_clip_"))
+        config_dir = _CONFIG_DIR
+    path = Path(config_dir) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2))
+    open_clip.add_model_config(path)
+    return name

@@ -1,0 +1,171 @@
+"""Frequency allocation: which rotary pair (or which attention head) reads which position row.
+
+Huang et al., "Revisiting Multimodal Positional Encoding in Vision-Language Models", ICLR 2026: after the
+position design has produced rows (t, h, w), an allocation decides what each frequency sees. Here an
+allocation is a mixing matrix ``mix`` with one row per pair (or per KV head) and one column per position
+row: pair n rotates by phi_n = theta_n * sum_a mix[n, a] * p_a, theta_n = base^(-2n/D).
+
+- one-hot rows: the usual choice (M-RoPE chunks, MRoPE-I interleave, VideoRoPE LTA);
+- zero rows: zero frequency, the identity (HoPE's temporal pairs, MHRoPE's unassigned heads);
+- (-1, 1, 1): VRoPE's fourth diagonal variant, formed from the three rows it ships.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "Allocation",
+    "ALLOCATIONS",
+    "chunked_allocation",
+    "interleaved_allocation",
+    "lta_allocation",
+    "hope_allocation",
+    "vrope_allocation",
+    "single_axis_allocation",
+    "head_allocation",
+    "build_allocation",
+]
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """``mix`` (P, 3) per rotary pair, or (H_kv, 3) per KV head when ``per_head``; entries weight rows t, h, w."""
+
+    mix: torch.Tensor
+    per_head: bool = False
+
+    def axis_of(self) -> list[int]:
+        """Row read by each pair (or head): its one-hot column, -1 for zero rows, -2 for mixed rows."""
+        out = []
+        for row in self.mix.tolist():
+            nonzero = [a for a, w in enumerate(row) if w != 0]
+            out.append(-1 if not nonzero else nonzero[0] if len(nonzero) == 1 and row[nonzero[0]] == 1 else -2)
+        return out
+
+
+def _check_section(section: Sequence[int], name: str = "mrope_section") -> tuple[int, int, int]:
+    if (
+        not isinstance(section, (list, tuple))
+        or len(section) != 3
+        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in section)
+    ):
+        raise ValueError(f"{name} must be three non-negative ints (t, h, w), got {section!r}")
+    return tuple(section)
+
+
+def _check_pairs(num_pairs: int) -> None:
+    if isinstance(num_pairs, bool) or not isinstance(num_pairs, int) or num_pairs < 1:
+        raise ValueError(f"num_pairs must be a positive int, got {num_pairs!r}")
+
+
+def _one_hot(axes: torch.Tensor) -> torch.Tensor:
+    """(P,) row index per pair, -1 for zero frequency -> (P, 3) mixing matrix."""
+    mix = torch.zeros(len(axes), 3)
+    keep = axes >= 0
+    mix[keep.nonzero()[:, 0], axes[keep]] = 1.0
+    return mix
+
+
+def chunked_allocation(num_pairs: int, mrope_section: Sequence[int] = (16, 24, 24)) -> Allocation:
+    """Qwen2-VL M-RoPE: pairs [0, s_t) -> t, [s_t, s_t + s_h) -> h, the rest -> w (time gets the highest)."""
+    _check_pairs(num_pairs)
+    section = _check_section(mrope_section)
+    if sum(section) != num_pairs:
+        raise ValueError(f"mrope_section {section} must sum to num_pairs={num_pairs} (head_dim // 2)")
+    axes = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    return Allocation(_one_hot(axes))
+
+
+def interleaved_allocation(num_pairs: int, mrope_section: Sequence[int] = (24, 20, 20)) -> Allocation:
+    """Qwen3-VL MRoPE-I: pair n -> h if n % 3 == 1 and n < 3 s_h; -> w if n % 3 == 2 and n < 3 s_w; else t."""
+    _check_pairs(num_pairs)
+    section = _check_section(mrope_section)
+    if sum(section) != num_pairs or 3 * max(section[1], section[2]) > num_pairs + 2:
+        raise ValueError(f"mrope_section {section} must sum to num_pairs={num_pairs} and fit interleaved")
+    n = torch.arange(num_pairs)
+    axes = torch.zeros(num_pairs, dtype=torch.long)
+    axes[(n % 3 == 1) & (n < 3 * section[1])] = 1
+    axes[(n % 3 == 2) & (n < 3 * section[2])] = 2
+    return Allocation(_one_hot(axes))
+
+
+def lta_allocation(num_pairs: int, mrope_section: Sequence[int] = (16, 24, 24)) -> Allocation:
+    """VideoRoPE LTA: the first s_h + s_w pairs alternate h (even n) and w (odd n); the last s_t pairs -> t."""
+    _check_pairs(num_pairs)
+    section = _check_section(mrope_section)
+    if sum(section) != num_pairs or section[1] != section[2]:
+        raise ValueError(f"mrope_section {section} must sum to num_pairs={num_pairs} with s_h == s_w for LTA")
+    spatial = section[1] + section[2]
+    n = torch.arange(num_pairs)
+    axes = torch.where(n < spatial, 1 + n % 2, torch.zeros_like(n))
+    return Allocation(_one_hot(axes))
+
+
+def hope_allocation(num_pairs: int, mrope_section: Sequence[int] = (16, 24, 24)) -> Allocation:
+    """HoPE: LTA with the temporal (lowest-frequency) pairs at zero frequency, the identity."""
+    mix = lta_allocation(num_pairs, mrope_section).mix.clone()
+    mix[:, 0] = 0.0
+    return Allocation(mix)
+
+
+def vrope_allocation(num_pairs: int) -> Allocation:
+    """VRoPE: pair n reads diagonal variant n % 4; variants 0-2 are rows t, h, w and variant 3 is h + w - t."""
+    _check_pairs(num_pairs)
+    variants = torch.tensor([[1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0], [-1.0, 1.0, 1.0]])
+    return Allocation(variants[torch.arange(num_pairs) % 4])
+
+
+def single_axis_allocation(num_pairs: int) -> Allocation:
+    """1-D RoPE: every pair reads row t (the rows are equal for 1-D designs such as V2PE)."""
+    _check_pairs(num_pairs)
+    return Allocation(_one_hot(torch.zeros(num_pairs, dtype=torch.long)))
+
+
+def head_allocation(num_kv_heads: int, mrope_section: Sequence[int] | None = None) -> Allocation:
+    """MHRoPE: ``mrope_section`` counts KV heads per axis; each head uses the full spectrum of its axis.
+
+    The default splits the heads 1/4, 3/8, 3/8 ((2, 3, 3) for 8 heads); heads beyond the section sum get no
+    rotation (NoPE).
+    """
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
+    if mrope_section is None:
+        temporal = num_kv_heads // 4
+        height = (num_kv_heads - temporal) // 2
+        mrope_section = (temporal, height, num_kv_heads - temporal - height)
+    section = _check_section(mrope_section)
+    if sum(section) > num_kv_heads:
+        raise ValueError(f"mrope_section {section} assigns {sum(section)} heads but there are {num_kv_heads}")
+    axes = torch.cat(
+        [
+            torch.repeat_interleave(torch.arange(3), torch.tensor(section)),
+            torch.full((num_kv_heads - sum(section),), -1),
+        ]
+    )
+    return Allocation(_one_hot(axes), per_head=True)
+
+
+ALLOCATIONS: dict[str, Callable[..., Allocation]] = {
+    "chunked": chunked_allocation,
+    "interleaved": interleaved_allocation,
+    "lta": lta_allocation,
+    "hope": hope_allocation,
+    "vrope": vrope_allocation,
+    "single_axis": single_axis_allocation,
+    "head": head_allocation,
+}
+
+
+def build_allocation(name: str, *, num_pairs: int, num_kv_heads: int | None = None, **kwargs) -> Allocation:
+    """Allocation ``name`` from :data:`ALLOCATIONS` for ``num_pairs`` pairs (``head`` needs ``num_kv_heads``)."""
+    if name not in ALLOCATIONS:
+        raise ValueError(f"unknown allocation {name!r}; valid names: {', '.join(ALLOCATIONS)}")
+    if name == "head":
+        if num_kv_heads is None:
+            raise ValueError("allocation 'head' (MHRoPE) needs num_kv_heads")
+        return head_allocation(num_kv_heads, **kwargs)
+    return ALLOCATIONS[name](num_pairs, **kwargs)

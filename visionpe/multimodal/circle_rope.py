@@ -1,0 +1,68 @@
+"""Circle-RoPE: cone-like decoupled rotary positions for images.
+
+Wang et al., "Circle-RoPE: Cone-like Decoupled Rotary Positional Embedding for Large Vision-Language
+Models", arXiv 2505.16416, 2025 (lose4578/CircleRoPE).
+
+Image token (i, j) is mapped to a circle of radius R in the plane orthogonal to (1, 1, 1), at angle
+theta = alpha * theta_SA + (1 - alpha) * theta_GA (theta_SA: its normalised polar angle around the image
+centre; theta_GA: 2 pi k / (H'W') for flat index k), then shifted by the block start s (and by
+(image index) * shift along (1, 1, 1)). Text lies on the (1, 1, 1) axis, so every text token is equidistant
+from all tokens of an image (per-token distance 0). The next text continues at max over rows + 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .design import DesignOutput, VisualLayout, block_max_plus_one
+
+__all__ = ["circle_rope_design"]
+
+
+def circle_rope_design(
+    layout: VisualLayout, *, alpha: float = 0.5, radius: float | str = 10.0, image_shift: float = 1.0
+) -> DesignOutput:
+    """Circle-RoPE ids for images (rows t, h, w); videos raise ValueError (the paper defines images only).
+
+    Args:
+        alpha: mix of the spatial-angle and grid-angle terms, in [0, 1] (0.5 released).
+        radius: circle radius R (10 released) or ``"auto"`` for max |centred coordinate| of each image.
+        image_shift: the k-th image of a sample (k from 0) is shifted by k * image_shift on every row.
+    """
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
+    if radius != "auto" and (isinstance(radius, bool) or not isinstance(radius, (int, float)) or radius <= 0):
+        raise ValueError(f"radius must be a positive number or 'auto', got {radius!r}")
+    if isinstance(image_shift, bool) or not isinstance(image_shift, (int, float)):
+        raise TypeError(f"image_shift must be a number, got {type(image_shift).__name__}")
+    if layout.block_is_video.any():
+        g = int(layout.block_is_video.nonzero()[0])
+        raise ValueError(
+            f"circle_rope is defined for images only; video_grid_thw[{int(layout.block_video[g])}] appears in "
+            f"sample {int(layout.block_sample[g])}"
+        )
+    height, width = layout.per_token(layout.block_thw[:, 1]).double(), layout.per_token(layout.block_thw[:, 2]).double()
+    x = layout.col.double() - (width - 1) / 2
+    y = layout.row.double() - (height - 1) / 2
+    polar = torch.atan2(y, x)
+    num_blocks = layout.num_blocks
+    lo = torch.zeros(num_blocks, dtype=torch.float64, device=x.device)
+    lo = lo.scatter_reduce(0, layout.block, polar, reduce="amin", include_self=False)
+    hi = torch.zeros_like(lo).scatter_reduce(0, layout.block, polar, reduce="amax", include_self=False)
+    span = layout.per_token(hi - lo)
+    spatial = torch.where(span > 0, (polar - layout.per_token(lo)) / span.clamp(min=1e-12), torch.zeros_like(polar))
+    angle = alpha * spatial * 2 * math.pi + (1 - alpha) * 2 * math.pi * layout.index / (height * width)
+    if radius == "auto":
+        size = torch.maximum(width - 1, height - 1) / 2
+    else:
+        size = torch.full_like(x, float(radius))
+    px, py = size * angle.cos(), size * angle.sin()
+    # Orthonormal basis of the plane orthogonal to n = (1, 1, 1)/sqrt(3), components ordered (w, h, t).
+    u = torch.tensor([-1.0, 1.0, 0.0], dtype=torch.float64, device=x.device) / math.sqrt(2)
+    v = torch.tensor([-1.0, -1.0, 2.0], dtype=torch.float64, device=x.device) / math.sqrt(6)
+    point = px[:, None] * u + py[:, None] * v  # (N, 3) as (w, h, t)
+    shift = layout.per_token(layout.block_ordinal()).double() * float(image_shift)
+    local = point.flip(1).T + shift  # rows (t, h, w)
+    return DesignOutput(local=local, advance=block_max_plus_one(layout, local), integer=False)

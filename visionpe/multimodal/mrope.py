@@ -1,0 +1,87 @@
+"""M-RoPE position design of Qwen2-VL and Qwen2.5-VL (absolute time).
+
+Wang et al., "Qwen2-VL: Enhancing Vision-Language Model's Perception of the World at Any Resolution",
+arXiv 2409.12191, 2024; Bai et al., "Qwen2.5-VL Technical Report", arXiv 2502.13923, 2025.
+
+Visual token (t, i, j) of a block starting at s sits at (s + tau(t), s + i, s + j); text at (p, p, p).
+Qwen2-VL: tau(t) = t. Qwen2.5-VL: tau(t) = floor(t * second_per_grid * tokens_per_second), multiplied in
+float and truncated once at the end (casting second_per_grid to int first collapses fps-4 video to t = 0).
+
+After a block the text continues at (max over the block's three rows) + 1 in the original Qwen code
+(``continuation="max_plus_one"``, the default) and at s + max(H', W') in transformers 5.x
+(``continuation="spatial_extent"``). The two agree for images and differ for videos whose temporal extent
+exceeds the spatial one, where the 5.x rule places the next text inside the video's temporal range.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .design import DesignOutput, VisualLayout, block_max_plus_one
+
+__all__ = ["CONTINUATIONS", "mrope_design", "mrope_abs_time_design", "continue_after_blocks"]
+
+CONTINUATIONS = ("max_plus_one", "spatial_extent")
+
+
+def continue_after_blocks(layout: VisualLayout, local: torch.Tensor, continuation: str) -> torch.Tensor:
+    """(G,) cursor advance per block under ``continuation`` (see the module docstring)."""
+    if continuation not in CONTINUATIONS:
+        raise ValueError(f"continuation must be one of {CONTINUATIONS}, got {continuation!r}")
+    if continuation == "max_plus_one":
+        return block_max_plus_one(layout, local)
+    return layout.block_thw[:, 1:].amax(1)
+
+
+def mrope_design(layout: VisualLayout, *, continuation: str = "max_plus_one") -> DesignOutput:
+    """Qwen2-VL: local (t, i, j) on rows (t, h, w); text continues per ``continuation``."""
+    local = torch.stack([layout.frame, layout.row, layout.col])
+    return DesignOutput(local=local, advance=continue_after_blocks(layout, local, continuation))
+
+
+def mrope_abs_time_design(
+    layout: VisualLayout,
+    *,
+    second_per_grid_ts: torch.Tensor | list[float] | None = None,
+    tokens_per_second: float = 2.0,
+    fractional_time: bool = False,
+    continuation: str = "max_plus_one",
+) -> DesignOutput:
+    """Qwen2.5-VL: temporal id floor(t * second_per_grid_ts[v] * tokens_per_second); images use t = 0.
+
+    Args:
+        second_per_grid_ts: (num_videos,) seconds per temporal grid (temporal_patch_size / fps); required
+            whenever there are videos, so that training and generation see the same timing.
+        tokens_per_second: temporal ids per second; released checkpoints use 2 (the HF class default is 4),
+            read it from ``vision_config.tokens_per_second``.
+        fractional_time: keep t * spg * tps as a float instead of truncating it (float ids).
+    """
+    if isinstance(tokens_per_second, bool) or not isinstance(tokens_per_second, (int, float)):
+        raise TypeError(f"tokens_per_second must be a number, got {type(tokens_per_second).__name__}")
+    if tokens_per_second <= 0:
+        raise ValueError(f"tokens_per_second must be positive, got {tokens_per_second}")
+    if not isinstance(fractional_time, bool):
+        raise TypeError(f"fractional_time must be a bool, got {type(fractional_time).__name__}")
+    num_videos = int(layout.block_is_video.sum())
+    device = layout.block_thw.device
+    if num_videos and second_per_grid_ts is None:
+        raise ValueError(
+            f"mrope_abs_time needs second_per_grid_ts (one value per video, {num_videos} here); timing must be "
+            "explicit on every path, generation included"
+        )
+    interval = torch.zeros(layout.num_blocks, dtype=torch.float64, device=device)
+    if num_videos:
+        spg = torch.as_tensor(second_per_grid_ts, dtype=torch.float64, device=device).flatten()
+        if spg.numel() != num_videos or (spg < 0).any():
+            raise ValueError(
+                f"second_per_grid_ts must hold {num_videos} non-negative values (one per video), got {spg.tolist()}"
+            )
+        is_video = layout.block_is_video
+        interval[is_video] = spg[layout.block_video[is_video]] * float(tokens_per_second)
+    temporal = layout.frame.double() * layout.per_token(interval)
+    if not fractional_time:
+        temporal = temporal.floor()
+    local = torch.stack([temporal, layout.row.double(), layout.col.double()])
+    return DesignOutput(
+        local=local, advance=continue_after_blocks(layout, local, continuation), integer=not fractional_time
+    )

@@ -1,0 +1,99 @@
+"""One table of multimodal schemes: name -> (position design, frequency allocation).
+
+Twelve-odd published schemes are combinations of a handful of designs and allocations (Huang et al.,
+"Revisiting Multimodal Positional Encoding in Vision-Language Models", ICLR 2026), so each entry names one
+of each instead of defining a class.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+from .circle_rope import circle_rope_design
+from .design import DesignOutput, VisualLayout
+from .hope import hope_design
+from .mrope import mrope_abs_time_design, mrope_design
+from .mrope_interleaved import mrope_interleaved_design
+from .v2pe import v2pe_design
+from .videorope import videorope_design
+from .vrope import vrope_design
+
+__all__ = ["MultimodalScheme", "MULTIMODAL_SCHEMES", "get_multimodal_scheme", "list_multimodal_schemes"]
+
+
+@dataclass(frozen=True)
+class MultimodalScheme:
+    """``design(layout, **options) -> DesignOutput`` and an allocation name from ``ALLOCATIONS`` with defaults."""
+
+    name: str
+    design: Callable[..., DesignOutput]
+    allocation: str
+    allocation_kwargs: dict[str, Any] = field(default_factory=dict)
+    reference: str = ""
+
+    def design_options(self) -> list[str]:
+        """Keyword options of the position design (``get_position_ids(scheme, ..., **options)``)."""
+        return list(_design_options(self.design))
+
+    def check_options(self, options: dict[str, Any]) -> None:
+        """ValueError naming any option the design does not take."""
+        unknown = [k for k in options if k not in _design_options(self.design)]
+        if unknown:
+            raise ValueError(f"{self.name} got unknown option(s) {unknown}; valid options: {self.design_options()}")
+
+    def run_design(self, layout: VisualLayout, options: dict[str, Any]) -> DesignOutput:
+        self.check_options(options)
+        return self.design(layout, **options)
+
+
+@cache
+def _design_options(design: Callable[..., DesignOutput]) -> tuple[str, ...]:
+    return tuple(p for p in inspect.signature(design).parameters if p != "layout")
+
+
+MULTIMODAL_SCHEMES: dict[str, MultimodalScheme] = {
+    s.name: s
+    for s in (
+        MultimodalScheme("mrope", mrope_design, "chunked", {"mrope_section": (16, 24, 24)}, "Qwen2-VL"),
+        MultimodalScheme(
+            "mrope_abs_time", mrope_abs_time_design, "chunked", {"mrope_section": (16, 24, 24)}, "Qwen2.5-VL"
+        ),
+        MultimodalScheme(
+            "mrope_interleaved",
+            mrope_interleaved_design,
+            "interleaved",
+            {"mrope_section": (24, 20, 20)},
+            "Qwen3-VL / MRoPE-I",
+        ),
+        MultimodalScheme("mhrope", mrope_interleaved_design, "head", {}, "MHRoPE (Huang et al. 2026)"),
+        MultimodalScheme("v2pe", v2pe_design, "single_axis", {}, "V2PE (Ge et al. 2025)"),
+        MultimodalScheme("vrope", vrope_design, "vrope", {}, "VRoPE (Liu et al. 2025)"),
+        MultimodalScheme("videorope", videorope_design, "lta", {"mrope_section": (16, 24, 24)}, "VideoRoPE"),
+        MultimodalScheme("hope", hope_design, "hope", {"mrope_section": (16, 24, 24)}, "HoPE (Li et al. 2025)"),
+        MultimodalScheme("circle_rope", circle_rope_design, "chunked", {"mrope_section": (16, 24, 24)}, "Circle-RoPE"),
+    )
+}
+
+
+def list_multimodal_schemes() -> list[str]:
+    """Sorted names accepted by :func:`~visionpe.multimodal.get_position_ids`.
+
+    Example:
+        >>> from visionpe.multimodal import list_multimodal_schemes
+        >>> "mrope" in list_multimodal_schemes()
+        True
+    """
+    return sorted(MULTIMODAL_SCHEMES)
+
+
+def get_multimodal_scheme(name: str) -> MultimodalScheme:
+    """The registry entry for ``name``; unknown names raise ValueError listing the valid ones."""
+    if not isinstance(name, str):
+        raise TypeError(f"scheme must be a str, got {type(name).__name__} ({name!r})")
+    if name not in MULTIMODAL_SCHEMES:
+        raise ValueError(f"unknown multimodal scheme {name!r}; valid names: {', '.join(list_multimodal_schemes())}")
+    return MULTIMODAL_SCHEMES[name]

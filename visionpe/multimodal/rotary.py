@@ -1,0 +1,150 @@
+"""Multimodal rotary tables: position ids (3, B, L) -> cos/sin, through a frequency allocation.
+
+Huang et al., "Revisiting Multimodal Positional Encoding in Vision-Language Models", ICLR 2026; layout as
+Qwen2-VL in Hugging Face transformers ("half" layout: pair n is channels n and n + D/2).
+
+phi_n = theta_n * sum_a mix[n, a] * p_a with theta_n = base^(-2n/D); cos = cos(cat(phi, phi)), (B, L, D),
+or (B, H_kv, L, D) for head-wise allocations (MHRoPE), where head h reads sum_a mix[h, a] * p_a on every pair.
+Angles are computed in fp32 with autocast off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .allocation import Allocation, build_allocation
+from .registry import get_multimodal_scheme
+
+__all__ = ["MultimodalRotary", "apply_multimodal_rotary", "rotate_half"]
+
+
+class MultimodalRotary(nn.Module):
+    """cos/sin tables for multimodal position ids under a frequency allocation.
+
+    Args:
+        head_dim: D, the rotated channels per head (even).
+        base: RoPE base theta (Qwen2-VL/2.5-VL checkpoints use 1e6, Qwen3-VL 5e6).
+        allocation: an :class:`Allocation` or a name from ``ALLOCATIONS`` (``chunked``, ``interleaved``,
+            ``lta``, ``hope``, ``vrope``, ``single_axis``, ``head``).
+        num_kv_heads: number of KV heads, needed by head-wise allocations.
+        attention_scaling: factor on cos and sin (1 for default RoPE).
+        **allocation_kwargs: options of a named allocation, e.g. ``mrope_section=(16, 24, 24)``.
+
+    Example:
+        >>> rot = MultimodalRotary(8, base=10000.0, allocation="chunked", mrope_section=(2, 1, 1))
+        >>> cos, sin = rot(torch.zeros(3, 2, 5, dtype=torch.long))
+        >>> tuple(cos.shape), bool((cos == 1).all())
+        ((2, 5, 8), True)
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        base: float = 10000.0,
+        allocation: str | Allocation = "chunked",
+        num_kv_heads: int | None = None,
+        attention_scaling: float = 1.0,
+        **allocation_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+            raise ValueError(f"head_dim must be a positive even int, got {head_dim!r}")
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or base <= 1:
+            raise ValueError(f"base must be a number > 1, got {base!r}")
+        if isinstance(allocation, str):
+            allocation = build_allocation(
+                allocation, num_pairs=head_dim // 2, num_kv_heads=num_kv_heads, **allocation_kwargs
+            )
+        elif not isinstance(allocation, Allocation):
+            raise TypeError(f"allocation must be a name or an Allocation, got {type(allocation).__name__}")
+        elif allocation_kwargs:
+            raise ValueError(f"allocation_kwargs {list(allocation_kwargs)} apply to named allocations only")
+        if allocation.mix.ndim != 2 or allocation.mix.shape[1] != 3:
+            raise ValueError(f"allocation.mix must be (P or H_kv, 3), got {tuple(allocation.mix.shape)}")
+        if not allocation.per_head and allocation.mix.shape[0] != head_dim // 2:
+            raise ValueError(
+                f"allocation has {allocation.mix.shape[0]} pairs but head_dim={head_dim} has {head_dim // 2}"
+            )
+        self.head_dim, self.base, self.attention_scaling = head_dim, float(base), float(attention_scaling)
+        self.per_head = allocation.per_head
+        # Same expression as transformers' default RoPE, so that the tables match it bit for bit.
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("mix", allocation.mix.float(), persistent=False)
+
+    @classmethod
+    def from_scheme(cls, scheme: str, head_dim: int, *, base: float = 10000.0, **kwargs: Any) -> MultimodalRotary:
+        """The rotary of a registered scheme, with its default allocation options (overridable in kwargs)."""
+        entry = get_multimodal_scheme(scheme)
+        options = {**entry.allocation_kwargs, **kwargs}
+        return cls(head_dim, base=base, allocation=entry.allocation, **options)
+
+    def angles(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """fp32 angles (B, L, D/2), or (B, H_kv, L, D/2) per head, from ids (3, B, L) or (B, L)."""
+        if not isinstance(position_ids, torch.Tensor):
+            raise TypeError(f"position_ids must be a tensor, got {type(position_ids).__name__}")
+        if position_ids.ndim == 2:
+            position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
+        if position_ids.ndim != 3 or position_ids.shape[0] != 3:
+            raise ValueError(f"position_ids must be (3, B, L) or (B, L), got {tuple(position_ids.shape)}")
+        with torch.autocast(position_ids.device.type, enabled=False):
+            pos = position_ids.float().permute(1, 2, 0)  # (B, L, 3)
+            # Elementwise product and sum rather than a matmul: exact for one-hot rows, no TF32.
+            mixed = (pos.unsqueeze(-2) * self.mix).sum(-1)  # (B, L, P or H)
+            if self.per_head:
+                return mixed.transpose(1, 2).unsqueeze(-1) * self.inv_freq
+            return mixed * self.inv_freq
+
+    def forward(
+        self, position_ids: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (B, L, D) or (B, H_kv, L, D), fp32 unless ``dtype`` is given."""
+        phi = self.angles(position_ids)
+        with torch.autocast(phi.device.type, enabled=False):
+            emb = torch.cat((phi, phi), dim=-1)
+            cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        if dtype is not None:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_multimodal_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q (B, H_q, L, D) and k (B, H_kv, L, D) by tables from :class:`MultimodalRotary`.
+
+    Tables (B, L, D_r) apply to every head; per-head tables (B, H_kv, L, D_r) go to the KV heads directly
+    and to query head g through KV head g // (H_q / H_kv). With D_r < D only the first D_r channels rotate.
+    """
+    for name, x in (("q", q), ("k", k)):
+        if not isinstance(x, torch.Tensor) or x.ndim != 4:
+            raise ValueError(f"{name} must be (B, H, L, D), got {getattr(x, 'shape', type(x).__name__)}")
+    if cos.shape != sin.shape or cos.ndim not in (3, 4):
+        raise ValueError(f"cos and sin must share shape (B, L, D) or (B, H_kv, L, D), got {cos.shape}, {sin.shape}")
+    if cos.ndim == 3:
+        cos_q = cos_k = cos.unsqueeze(1)
+        sin_q = sin_k = sin.unsqueeze(1)
+    else:
+        if cos.shape[1] != k.shape[1] or q.shape[1] % k.shape[1]:
+            raise ValueError(f"per-head tables have {cos.shape[1]} heads; k has {k.shape[1]} and q {q.shape[1]} heads")
+        group = q.shape[1] // k.shape[1]
+        cos_k, sin_k = cos, sin
+        cos_q, sin_q = cos.repeat_interleave(group, dim=1), sin.repeat_interleave(group, dim=1)
+    rotated = cos.shape[-1]
+
+    def rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        c, s = c.to(x.dtype), s.to(x.dtype)
+        x_rot, x_pass = x[..., :rotated], x[..., rotated:]
+        return torch.cat((x_rot * c + rotate_half(x_rot) * s, x_pass), dim=-1)
+
+    return rotate(q, cos_q, sin_q), rotate(k, cos_k, sin_k)
