@@ -1,0 +1,115 @@
+"""Extrapolation sweeps: accuracy of trained models at resolutions or clip lengths they never saw.
+
+:func:`sweep` evaluates every model at every size with a loader per size (timm's eval transform at that size,
+or longer clips); :func:`write_report` writes the Markdown table, the CSV and the PNG plot (accuracy against
+size, one line per model, mean ± std over seeds when several are given).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+__all__ = ["accuracy", "sweep", "summarize", "markdown_table", "write_report"]
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, loader: DataLoader, device: str | torch.device = "cpu") -> float:
+    """Top-1 accuracy in % of ``model`` over ``loader`` (batches of (inputs, int targets))."""
+    model.eval().to(device)
+    correct = total = 0
+    for inputs, targets in loader:
+        preds = model(inputs.to(device)).argmax(dim=-1).cpu()
+        correct += int((preds == targets).sum())
+        total += len(targets)
+    if total == 0:
+        raise ValueError("loader yielded no samples: cannot compute an accuracy")
+    return 100.0 * correct / total
+
+
+def sweep(
+    models: Mapping[str, nn.Module],
+    loader_for_size: Callable[[int], DataLoader],
+    sizes: Iterable[int],
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> list[dict]:
+    """Rows ``{"model", "seed", "size", "acc"}`` for every model at every size."""
+    sizes = list(sizes)
+    if not sizes or not all(isinstance(s, int) and s > 0 for s in sizes):
+        raise ValueError(f"sizes must be a non-empty list of positive ints, got {sizes!r}")
+    rows = []
+    for size in sizes:
+        loader = loader_for_size(size)
+        for name, model in models.items():
+            rows.append({"model": name, "seed": seed, "size": size, "acc": accuracy(model, loader, device)})
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict[str, dict[int, tuple[float, float, int]]]:
+    """{model: {size: (mean, std, n_seeds)}}; std is 0 for a single seed."""
+    grouped: dict[str, dict[int, list[float]]] = {}
+    for row in rows:
+        grouped.setdefault(row["model"], {}).setdefault(int(row["size"]), []).append(float(row["acc"]))
+    return {
+        model: {
+            size: (statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v))
+            for size, v in sorted(by_size.items())
+        }
+        for model, by_size in grouped.items()
+    }
+
+
+def markdown_table(rows: list[dict], size_label: str = "px") -> str:
+    """Accuracy table, one row per model, one column per size (mean ± std over seeds)."""
+    summary = summarize(rows)
+    sizes = sorted({int(r["size"]) for r in rows})
+    lines = ["| model | " + " | ".join(f"{s} {size_label}" for s in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
+    for model, by_size in summary.items():
+        cells = []
+        for s in sizes:
+            mean, std, n = by_size.get(s, (math.nan, 0.0, 0))
+            cells.append(f"{mean:.1f} ± {std:.1f}" if n > 1 else f"{mean:.1f}")
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_report(rows: list[dict], out_dir: str | Path, title: str, size_label: str = "px") -> dict[str, Path]:
+    """Write ``results.md``, ``results.csv`` and ``results.png`` under ``out_dir``; return their paths."""
+    if not rows:
+        raise ValueError("rows is empty: nothing to report")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"md": out_dir / "results.md", "csv": out_dir / "results.csv", "png": out_dir / "results.png"}
+    paths["md"].write_text(f"# {title}\n\nTop-1 accuracy (%)\n\n{markdown_table(rows, size_label)}\n")
+    with paths["csv"].open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["model", "seed", "size", "acc"])
+        writer.writeheader()
+        writer.writerows({k: row[k] for k in ("model", "seed", "size", "acc")} for row in rows)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for model, by_size in summarize(rows).items():
+        sizes = list(by_size)
+        means = [by_size[s][0] for s in sizes]
+        stds = [by_size[s][1] for s in sizes]
+        ax.errorbar(sizes, means, yerr=stds, marker="o", capsize=3, label=model)
+    ax.set_xlabel(f"test size ({size_label})")
+    ax.set_ylabel("top-1 accuracy (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(paths["png"], dpi=120)
+    plt.close(fig)
+    return paths

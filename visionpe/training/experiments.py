@@ -1,0 +1,103 @@
+"""Train schemes from a LightningCLI config and sweep them over test sizes (used by ``train/extrapolate.py``).
+
+Each model is trained by Lightning exactly as ``train/classify.py fit --config CONFIG`` would, with the scheme,
+seed and output folder overridden; then every model is evaluated at every size of the data module's
+``eval_dataloader(size)`` and the results are written by :func:`visionpe.training.evaluate.write_report`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from ..rotary.scaling import set_extrapolation
+from .cli import run_cli
+from .evaluate import sweep, write_report
+from .module import Classifier
+
+__all__ = ["REFERENCE_MODELS", "train_from_config", "run_sweep"]
+
+# timm's own models, trained the same way as the visionpe ones: the reference rows of a sweep.
+REFERENCE_MODELS = {
+    "timm_ape": ("timm APE ViT", "vit_tiny_patch16_224"),
+    "timm_rope_axial": ("timm Eva RoPE-Axial", "vit_small_patch16_rope_224"),
+    "timm_rope_mixed": ("timm Eva RoPE-Mixed", "vit_small_patch16_rope_mixed_224"),
+}
+EXTRAPOLATION_MODES = ("none", "pi", "ntk", "yarn")
+
+
+def train_from_config(config: str | Path, overrides: Sequence[str], out_dir: str | Path):
+    """Fit a :class:`Classifier` from ``config`` plus CLI-style ``overrides``; return (model, datamodule)."""
+    out_dir = Path(out_dir)
+    cli = run_cli(args=["--config", str(config), *overrides, f"--trainer.default_root_dir={out_dir}"], run=False)
+    cli.trainer.loggers = [CSVLogger(out_dir, name="csv"), TensorBoardLogger(out_dir, name="tensorboard")]
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return cli.model.eval(), cli.datamodule
+
+
+def _has_rotary(model: Classifier) -> bool:
+    schemes = getattr(model.model, "pos_schemes", {})
+    return any(getattr(s, "kind", None) == "rotary" for s in schemes.values())
+
+
+def run_sweep(
+    config: str | Path,
+    checkpoints: Sequence[str] = (),
+    schemes: Sequence[str] = (),
+    references: Sequence[str] = (),
+    sizes: Sequence[int] | None = None,
+    seeds: Sequence[int] = (0,),
+    extrapolation: Sequence[str] = ("none",),
+    max_epochs: int | None = None,
+    out_dir: str | Path = "runs/extrapolate",
+    title: str | None = None,
+) -> dict[str, Path]:
+    """Train (or load) every model, evaluate it at every size, write table/CSV/plot under ``out_dir``."""
+    if not Path(config).is_file():
+        raise ValueError(f"config must be an existing YAML file, got {str(config)!r}")
+    unknown = [r for r in references if r not in REFERENCE_MODELS]
+    if unknown:
+        raise ValueError(f"unknown reference model(s) {unknown}; valid: {sorted(REFERENCE_MODELS)}")
+    bad_modes = [m for m in extrapolation if m not in EXTRAPOLATION_MODES]
+    if bad_modes:
+        raise ValueError(f"extrapolation modes must be in {EXTRAPOLATION_MODES}, got {bad_modes}")
+    out_dir = Path(out_dir)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    common = [f"--trainer.max_epochs={max_epochs}"] if max_epochs is not None else []
+    runs = [(name, [f"--model.pos_embed={name}"]) for name in schemes]
+    runs += [(REFERENCE_MODELS[r][0], [f"--model.model_name={REFERENCE_MODELS[r][1]}"]) for r in references]
+
+    rows, datamodule = [], None
+    for seed in seeds:
+        models: dict[str, Classifier] = {}
+        for label, overrides in runs:
+            seed_args = [f"--seed_everything={seed}", f"--model.seed={seed}"]
+            run_dir = out_dir / label.replace(" ", "_") / f"seed{seed}"
+            models[label], datamodule = train_from_config(config, [*overrides, *seed_args, *common], run_dir)
+        if seed == seeds[0]:
+            for path in checkpoints:
+                model = Classifier.load_from_checkpoint(path, map_location="cpu").eval()
+                models[f"{model.hparams.pos_embed} ({Path(path).name})"] = model
+        if datamodule is None:  # checkpoints only: the config still provides the data
+            cli = run_cli(args=["--config", str(config)], run=False)
+            datamodule = cli.datamodule
+            datamodule.setup("validate")
+        test_sizes = list(sizes) if sizes else list(datamodule.eval_sizes)
+        for mode in extrapolation:
+            selected = {
+                (label if mode == "none" else f"{label} [{mode}]"): model
+                for label, model in models.items()
+                if mode == "none" or _has_rotary(model)
+            }
+            for model in selected.values():
+                if _has_rotary(model):
+                    set_extrapolation(model.model, mode)
+            rows += sweep(selected, datamodule.eval_dataloader, test_sizes, seed=seed, device=device)
+        for model in models.values():
+            if _has_rotary(model):
+                set_extrapolation(model.model, "none")
+    title = title or f"Extrapolation sweep ({Path(config).stem})"
+    return write_report(rows, out_dir, title, size_label=getattr(datamodule, "size_label", "px"))
