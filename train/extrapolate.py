@@ -36,6 +36,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--extrapolation", nargs="+", default=["none"], help="none pi ntk yarn")
     parser.add_argument("--max-epochs", type=int, default=None, help="override trainer.max_epochs")
+    parser.add_argument(
+        "--override",
+        nargs="*",
+        default=[],
+        help="LightningCLI arguments for every run, without leading dashes, e.g. data.init_args.train_subset=512",
+    )
     parser.add_argument("--out", default="runs/extrapolate", help="output folder (table, CSV, plot, checkpoints)")
     parser.add_argument("--title", default=None)
     args = parser.parse_args(argv)
@@ -55,6 +61,7 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
         seeds=args.seeds,
         extrapolation=args.extrapolation,
         max_epochs=args.max_epochs,
+        overrides=[a if a.startswith("--") else f"--{a}" for a in args.override],
         out_dir=args.out,
         title=args.title,
     )

@@ -52,10 +52,15 @@ def run_sweep(
     seeds: Sequence[int] = (0,),
     extrapolation: Sequence[str] = ("none",),
     max_epochs: int | None = None,
+    overrides: Sequence[str] = (),
     out_dir: str | Path = "runs/extrapolate",
     title: str | None = None,
 ) -> dict[str, Path]:
-    """Train (or load) every model, evaluate it at every size, write table/CSV/plot under ``out_dir``."""
+    """Train (or load) every model, evaluate it at every size, write table/CSV/plot under ``out_dir``.
+
+    ``overrides`` are LightningCLI arguments applied to every training run and to the data module, e.g.
+    ``["--data.init_args.train_subset=512"]``.
+    """
     if not Path(config).is_file():
         raise ValueError(f"config must be an existing YAML file, got {str(config)!r}")
     unknown = [r for r in references if r not in REFERENCE_MODELS]
@@ -66,7 +71,7 @@ def run_sweep(
         raise ValueError(f"extrapolation modes must be in {EXTRAPOLATION_MODES}, got {bad_modes}")
     out_dir = Path(out_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    common = [f"--trainer.max_epochs={max_epochs}"] if max_epochs is not None else []
+    common = list(overrides) + ([f"--trainer.max_epochs={max_epochs}"] if max_epochs is not None else [])
     runs = [(name, [f"--model.pos_embed={name}"]) for name in schemes]
     runs += [(REFERENCE_MODELS[r][0], [f"--model.model_name={REFERENCE_MODELS[r][1]}"]) for r in references]
 
@@ -82,7 +87,7 @@ def run_sweep(
                 model = Classifier.load_from_checkpoint(path, map_location="cpu").eval()
                 models[f"{model.hparams.pos_embed} ({Path(path).name})"] = model
         if datamodule is None:  # checkpoints only: the config still provides the data
-            cli = run_cli(args=["--config", str(config)], run=False)
+            cli = run_cli(args=["--config", str(config), *overrides], run=False)
             datamodule = cli.datamodule
             datamodule.setup("validate")
         test_sizes = list(sizes) if sizes else list(datamodule.eval_sizes)

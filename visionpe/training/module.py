@@ -41,8 +41,9 @@ class Classifier(L.LightningModule):
         warmup_epochs, min_lr, warmup_lr: cosine schedule with linear warm-up, stepped every update.
         mixup, cutmix, label_smoothing: timm Mixup settings; all zero trains with plain cross-entropy.
         drop_path_rate: stochastic depth.
-        seed: randomness of each epoch is reseeded from (seed, epoch), so resuming from a checkpoint replays the
-            same augmentations and data order as an uninterrupted run.
+        seed: the randomness of every training step is reseeded from (seed, step, rank), so resuming from a
+            checkpoint replays the same mixup, cutmix and drop path as an uninterrupted run (the data modules
+            seed their sampling and augmentation per epoch the same way).
     """
 
     def __init__(
@@ -89,11 +90,13 @@ class Classifier(L.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
 
-    def on_train_epoch_start(self) -> None:
-        epoch_seed = self.hparams.seed * 100_003 + self.current_epoch + 1_000 * self.global_rank
-        random.seed(epoch_seed)
-        np.random.seed(epoch_seed % 2**32)
-        torch.manual_seed(epoch_seed)
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Every step's randomness (mixup, cutmix, drop path) is a function of (seed, step, rank) only, so a run
+        # resumed from a checkpoint replays exactly what the uninterrupted run would have drawn.
+        step_seed = (self.hparams.seed * 1_000_003 + self.global_step) * 64 + self.global_rank
+        random.seed(step_seed)
+        np.random.seed(step_seed % 2**32)
+        torch.manual_seed(step_seed)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, targets = batch
