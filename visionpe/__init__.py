@@ -6,6 +6,7 @@
 from . import absolute, bias, grid, rotary  # noqa: F401  (importing them registers every scheme)
 from .attention import PosAttention, PosBlock, PositionContext
 from .base import AbsolutePositionEncoding, BiasPositionEncoding, PositionEncoding, RotaryPositionEncoding
+from .bias.irpe import irpe_piecewise_index
 from .integrations import timm as _timm_models  # noqa: F401  (registers the timm models)
 from .models.convert import LoadReport, convert_timm_state_dict, load_timm_state_dict
 from .models.vit import VisionPEViT
@@ -34,4 +35,5 @@ __all__ = [
     "load_timm_state_dict",
     "set_extrapolation",
     "fold_string_",
+    "irpe_piecewise_index",
 ]

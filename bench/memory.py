@@ -1,0 +1,137 @@
+"""Peak forward memory of every registered scheme at 1024x1024 (4096 patches), against the plain ViT.
+
+Usage (from the repository root)::
+
+    python bench/memory.py                     # ViT-S/16, 1024x1024, batch 1, every scheme
+    python bench/memory.py --schemes irpe lookhere --size 512
+
+What is measured: each model runs in its own subprocess (so allocator caches and earlier peaks cannot leak
+between schemes). The worker builds the model, runs one small warm-up forward, then records its resident set
+size (RSS), resets the kernel's peak-RSS counter (``/proc/self/clear_refs``, Linux) and runs one forward under
+``torch.inference_mode()``. The reported number is the peak RSS during that forward minus the RSS just before
+it: everything the forward allocates (activations, attention biases, bucket maps, temporary buffers), not the
+parameters or the Python/torch baseline, which are the same for every scheme. The reference is timm's
+``vit_small_patch16_224`` (fused attention) at the same size in the same run; the ratio is scheme / timm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REFERENCE = "timm"
+
+
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def worker(scheme: str, size: int, batch: int, model_size: str, threads: int) -> dict:
+    """Measure one model; returns {"scheme", "growth_mb", "seconds"}."""
+    import timm
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import visionpe  # noqa: F401  (registers the visionpe models)
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    if scheme == REFERENCE:
+        model = timm.create_model(f"vit_{model_size}_patch16_224", dynamic_img_size=True)
+    else:
+        model = timm.create_model(f"visionpe_vit_{model_size}_patch16_224", pos_embed=scheme, dynamic_img_size=True)
+    model.eval()
+    images = torch.randn(batch, 3, size, size)
+    with torch.inference_mode():
+        model(torch.randn(1, 3, 64, 64))  # load kernels and lazily built state outside the measurement
+        before = _status_mb("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM (peak RSS) to the current RSS
+        start = time.perf_counter()
+        out = model(images)
+        seconds = time.perf_counter() - start
+        peak = _status_mb("VmHWM")
+    if not torch.isfinite(out).all():
+        raise RuntimeError(f"{scheme}: non-finite output")
+    return {"scheme": scheme, "growth_mb": peak - before, "seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", type=int, default=1024, help="image side in pixels (1024 -> 4096 patches)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--model", default="small", choices=("tiny", "small", "base", "large"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--schemes", nargs="*", help="scheme names (default: visionpe.list_schemes())")
+    parser.add_argument("--target", type=float, default=1.5, help="ratio to flag as exceeded")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    for name in ("size", "batch", "threads"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.size % 16:
+        parser.error(f"--size must be a multiple of the patch size 16, got {args.size}")
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        sys.exit("this benchmark needs Linux /proc/self/clear_refs to reset the peak-RSS counter")
+
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.size, args.batch, args.model, args.threads)))
+        return
+
+    if args.schemes:
+        schemes = args.schemes
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import visionpe
+
+        schemes = visionpe.list_schemes()
+    results = {}
+    for scheme in [REFERENCE, *schemes]:
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            scheme,
+            "--size",
+            str(args.size),
+            "--batch",
+            str(args.batch),
+            "--model",
+            args.model,
+            "--threads",
+            str(args.threads),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            results[scheme] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+        else:
+            results[scheme] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"  measured {scheme}", file=sys.stderr, flush=True)
+
+    tokens = (args.size // 16) ** 2
+    ref = results[REFERENCE].get("growth_mb")
+    print(
+        f"\nForward peak memory, ViT-{args.model[0].upper()}/16 at {args.size}x{args.size} ({tokens} patches), "
+        f"batch {args.batch}, inference mode, CPU (peak RSS growth during the forward)\n"
+    )
+    print("| scheme | peak MB | ratio vs timm | forward s |\n|---|---:|---:|---:|")
+    for scheme, res in results.items():
+        if "error" in res:
+            print(f"| {scheme} | error: {res['error']} | | |")
+            continue
+        ratio = res["growth_mb"] / ref if ref else float("nan")
+        flag = "" if scheme == REFERENCE or ratio <= args.target else f" (> {args.target}x)"
+        print(f"| {scheme} | {res['growth_mb']:.0f} | {ratio:.2f}{flag} | {res['seconds']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+import pytest
+import timm
+import torch
+
+import visionpe  # noqa: F401  (registers the models)
+from visionpe.absolute.cpe import PEG
+
+
+def _peg(dim=8, **kwargs) -> PEG:
+    torch.manual_seed(0)
+    peg = PEG(dim, depth=6, **kwargs)
+    for param in peg.parameters():
+        torch.nn.init.normal_(param)
+    return peg
+
+
+def test_translation_equivariant_away_from_border_and_prefix_untouched():
+    peg, (h, w), dim = _peg(), (6, 9), 8
+    grid = torch.randn(2, dim, h, w)
+    shifted = torch.roll(grid, shifts=(1, 2), dims=(2, 3))
+    prefix = torch.randn(2, 1, dim)
+
+    def run(g):
+        x = torch.cat([prefix, g.flatten(2).transpose(1, 2)], dim=1)
+        out = peg(x, (h, w), 1)
+        assert torch.equal(out[:, :1], prefix)
+        return out[:, 1:].transpose(1, 2).reshape(2, dim, h, w)
+
+    out, out_shifted = run(grid), run(shifted)
+    # cells whose 3x3 neighbourhood is inside the grid and not wrapped by the roll
+    torch.testing.assert_close(out_shifted[..., 3:-1, 4:-1], out[..., 2:-2, 2:-3])
+
+
+def test_zero_padding_makes_border_tokens_differ():
+    peg, (h, w) = _peg(), (4, 5)
+    out = peg(torch.ones(1, h * w, 8), (h, w), 0).reshape(h, w, 8)
+    interior = out[1:-1, 1:-1].reshape(-1, 8)
+    torch.testing.assert_close(interior, interior[:1].expand_as(interior))
+    assert not torch.allclose(out[0, 0], out[1, 1])
+
+
+def test_non_square_grid_is_taken_from_grid_size():
+    peg, (h, w) = _peg(), (3, 5)
+    x = torch.randn(1, h * w, 8)
+    conv = peg.pegs[0].proj
+    expected = conv(x.transpose(1, 2).reshape(1, 8, h, w)) + x.transpose(1, 2).reshape(1, 8, h, w)
+    torch.testing.assert_close(peg(x, (h, w), 0), expected.flatten(2).transpose(1, 2))
+    assert not torch.allclose(peg(x, (h, w), 0), peg(x, (w, h), 0))
+
+
+def test_placement_after_blocks_0_to_4_uses_one_peg_each():
+    model = timm.create_model(
+        "visionpe_vit_tiny_patch16_224", pos_embed="cpe", depth=6, pos_embed_kwargs={"insert_after": (0, 1, 2, 3, 4)}
+    )
+    scheme = model.pos_schemes["cpe"]
+    assert len(scheme.pegs) == 5
+    calls = []
+    for i, peg in enumerate(scheme.pegs):
+        peg.register_forward_hook(lambda *_, i=i: calls.append(i))
+    model(torch.randn(1, 3, 224, 224))
+    model(torch.randn(1, 3, 224, 224))
+    assert calls == [0, 1, 2, 3, 4] * 2
+    x = torch.randn(1, 197, 192)
+    torch.testing.assert_close(scheme(x, (14, 14), 1, after_block=3), scheme.pegs[3](x, (14, 14), 1))
+    assert {f"pos_schemes.cpe.pegs.{i}.proj.bias" for i in range(5)} <= model.no_weight_decay()
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="insert_after"):
+        PEG(8, depth=2, insert_after=(0, 3))
+    with pytest.raises(ValueError, match="insert_after"):
+        PEG(8, depth=6, insert_after=(2, 1))
+    with pytest.raises(ValueError, match="kernel_size"):
+        PEG(8, kernel_size=2)
+    peg = PEG(8)
+    with pytest.raises(ValueError, match="2D grids"):
+        peg(torch.randn(1, 24, 8), (2, 3, 4), 0)
+    with pytest.raises(ValueError, match="tokens"):
+        peg(torch.randn(1, 13, 8), (3, 5), 1)
+    with pytest.raises(ValueError, match="after_block"):
+        peg(torch.randn(1, 16, 8), (3, 5), 1, after_block=2)
+
+
+@pytest.mark.parametrize("size", [(224, 224), (384, 384), (160, 224)])
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("gap", [False, True])
+def test_model_forward_backward(size, bf16, gap):
+    torch.manual_seed(0)
+    extra = {"class_token": False, "global_pool": "avg"} if gap else {}
+    model = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed="cpe", dynamic_img_size=True, depth=2, **extra)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out = model(torch.randn(1, 3, *size))
+    assert out.shape == (1, 1000) and torch.isfinite(out).all()
+    out.float().sum().backward()
+    for name, param in model.pos_schemes.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name

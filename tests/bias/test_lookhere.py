@@ -1,0 +1,115 @@
+import pytest
+import timm
+import torch
+
+import visionpe  # noqa: F401  (registers the models)
+from visionpe.bias.lookhere import LookHere, lookhere_fov_masks, lookhere_heads
+
+
+def test_head_layout_and_slopes_vit_b():
+    directions, slopes = lookhere_heads(12)
+    assert directions[:8] == [0.0, 90.0, 180.0, 270.0, 45.0, 135.0, 225.0, 315.0]
+    assert directions[8:] == [None] * 4
+    assert slopes == [0.5] * 4 + [0.25] * 4 + [1 / 2, 1 / 8, 1 / 32, 1 / 128]
+    assert lookhere_heads(12, undirected_slopes="released")[1][8:] == [1 / 4, 1 / 16, 1 / 64, 1 / 256]
+    lh = LookHere(768, 12, depth=12)
+    torch.testing.assert_close(lh.layer_slopes, torch.linspace(1.5, 0.5, 12))
+
+
+@pytest.mark.parametrize(
+    "variant, fov, views", [("180", 180.0, [0, 2]), ("90", 90.0, [0, 1, 2, 3]), ("45", 45.0, list(range(8)))]
+)
+def test_fields_of_view_cover_every_key(variant, fov, views):
+    directions, _ = lookhere_heads(12, variant)
+    masks = lookhere_fov_masks((5, 7), [directions[h] for h in views], fov)
+    assert masks.any(0).all()  # every key is seen from every query by some view
+    assert masks.diagonal(dim1=1, dim2=2).all()  # a token always sees itself
+    assert not masks.all(dim=(1, 2)).any()  # directed views are not full
+
+
+def test_field_of_view_directions_on_non_square_grid():
+    # grid (3, 5); query at row 1, col 2 (token 7); y points down
+    right, down = lookhere_fov_masks((3, 5), [0.0, 90.0], 90.0)
+    query = 7
+    assert right[query].reshape(3, 5)[1, 4] and not right[query].reshape(3, 5)[1, 0]
+    assert down[query].reshape(3, 5)[2, 2] and not down[query].reshape(3, 5)[0, 2]
+    # LH-90 quadrant boundaries are the diagonals, and boundary rays are included in both neighbours
+    assert right[query].reshape(3, 5)[2, 3] and down[query].reshape(3, 5)[2, 3]
+
+
+def test_bias_values_prefix_and_undirected_heads():
+    lh = LookHere(72, 6, depth=4, global_slope=0.8)
+    state = lh.prepare((4, 6), 1)
+    q = torch.zeros(1, 6, 25, 12)
+    bias = lh.attn_bias(q, q, state, layer=2)[0]
+    assert bias.shape == (6, 25, 25)
+    assert (bias[:, 0, :] == 0).all() and (bias[:, :, 0] == 0).all()
+    directions, slopes = lookhere_heads(6)
+    for h, direction in enumerate(directions):
+        if direction is None:
+            assert torch.isfinite(bias[h]).all()
+        else:
+            assert torch.isinf(bias[h]).any()
+    # head 0 looks right: from (0, 0) to (0, 3) the penalty is s_g * s_l(2) * s_h * 3
+    s_l = torch.linspace(1.5, 0.5, 4)[2]
+    torch.testing.assert_close(bias[0, 1, 1 + 3], -0.8 * s_l * slopes[0] * 3)
+    assert bias[0, 1 + 3, 1] == float("-inf")  # looking left is outside its view
+    lh.global_slope = 0.5  # test-time knob
+    torch.testing.assert_close(lh.attn_bias(q, q, state, 2)[0, 0, 1, 4], -0.5 * s_l * slopes[0] * 3)
+
+
+@pytest.mark.parametrize("variant", ["180", "90", "45"])
+def test_bias_depends_only_on_offset(variant):
+    lh = LookHere(36, 3, variant=variant)
+    q = torch.zeros(1, 3, 30, 12)
+    bias = lh.attn_bias(q, q, lh.prepare((5, 6), 0), 0)[0].reshape(3, 5, 6, 5, 6)
+    torch.testing.assert_close(bias[:, 1:, 1:, 1:, 1:], bias[:, :-1, :-1, :-1, :-1])
+    torch.testing.assert_close(bias[:, 2:, :-1, 2:, :-1], bias[:, :-2, 1:, :-2, 1:])
+
+
+def test_state_is_one_distance_map_and_one_boolean_mask_bias_in_activation_dtype():
+    lh = LookHere(384, 6, depth=12)
+    n = 32 * 32 + 1
+    state = lh.prepare((32, 32), 1)
+    assert state.distances.shape == (n, n) and state.distances.dtype == torch.float32
+    assert state.blocked.shape == (6, n, n) and state.blocked.dtype == torch.bool
+    assert all(b.numel() <= 12 for b in lh.buffers())  # nothing precomputed per resolution
+    q = torch.zeros(1, 6, n, 64, dtype=torch.bfloat16)
+    assert lh.attn_bias(q, q, state, 3).dtype == torch.bfloat16
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="variant"):
+        LookHere(36, 3, variant="30")
+    with pytest.raises(ValueError, match="global_slope"):
+        LookHere(36, 3, global_slope=0.0)
+    with pytest.raises(ValueError, match="undirected_slopes"):
+        LookHere(36, 3, undirected_slopes="other")
+    lh = LookHere(36, 3)
+    with pytest.raises(ValueError, match="2D grids"):
+        lh.prepare((2, 3, 4), 1)
+    state = lh.prepare((3, 4), 1)
+    with pytest.raises(ValueError, match="q and k must have shape"):
+        lh.attn_bias(torch.zeros(1, 3, 12, 12), torch.zeros(1, 3, 12, 12), state, 0)
+    with pytest.raises(ValueError, match="fov"):
+        lookhere_fov_masks((3, 4), [0.0], 0.0)
+
+
+@pytest.mark.parametrize("size", [(224, 224), (384, 384), (160, 224)])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_model_forward_backward(size, bf16):
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "visionpe_vit_tiny_patch16_224",
+        pos_embed="lookhere",
+        dynamic_img_size=True,
+        depth=2,
+        pos_embed_kwargs={"variant": "90"},
+    )
+    x = torch.randn(1, 3, *size, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out = model(x)
+    assert out.shape == (1, 1000) and torch.isfinite(out).all()
+    out.float().sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    assert not list(model.pos_schemes.parameters())  # nothing learned

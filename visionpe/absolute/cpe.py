@@ -1,0 +1,111 @@
+"""CPE / PEG: Chu et al., "Conditional Positional Encodings for Vision Transformers", ICLR 2023 (CPVT).
+
+Position Encoding Generator on the patch tokens X (B, C, H, W): X <- DWConv3x3(X) + X (groups = C, stride 1,
+zero padding 1, bias; no norm, no activation); prefix tokens pass through. Zero padding is the only source of
+absolute position. Placed after block 0 (CPVT default) or after blocks 0..4 ("0-5"), one PEG per position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..base import AbsolutePositionEncoding
+from ..registry import register_scheme
+
+__all__ = ["PEG", "PositionEncodingGenerator"]
+
+
+class PositionEncodingGenerator(nn.Module):
+    """One PEG: residual depthwise convolution over the patch grid.
+
+    Args:
+        dim: channels C.
+        kernel_size: odd kernel size (3 in the paper); padding keeps the grid size.
+    """
+
+    def __init__(self, dim: int, kernel_size: int = 3) -> None:
+        super().__init__()
+        if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be a positive odd int, got {kernel_size!r}")
+        self.proj = nn.Conv2d(dim, dim, kernel_size, stride=1, padding=kernel_size // 2, groups=dim, bias=True)
+
+    def forward(self, x: torch.Tensor, grid_size: tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
+        """``x`` (B, P + H W, C) -> same shape; the first P tokens are returned unchanged."""
+        height, width = grid_size
+        prefix, patches = x[:, :num_prefix_tokens], x[:, num_prefix_tokens:]
+        grid = patches.transpose(1, 2).unflatten(-1, (height, width))  # (B, C, H, W)
+        patches = (self.proj(grid) + grid).flatten(2).transpose(1, 2)
+        return torch.cat([prefix, patches], dim=1)
+
+
+@register_scheme("cpe")
+class PEG(AbsolutePositionEncoding):
+    """Conditional position encoding, applied after the blocks in ``insert_after``.
+
+    Args:
+        dim, num_heads, depth: model shape.
+        insert_after: block indices, e.g. ``(0,)`` (default) or ``(0, 1, 2, 3, 4)``; one PEG each.
+        kernel_size: depthwise kernel size (3).
+
+    The model calls the scheme once after each listed block, in order; ``after_block`` selects the PEG when
+    given, otherwise the calls of one forward are matched to the PEGs in order.
+    """
+
+    ndims = (2,)
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 1,
+        depth: int = 1,
+        insert_after: int | Sequence[int] = (0,),
+        kernel_size: int = 3,
+    ) -> None:
+        super().__init__()
+        blocks = (insert_after,) if isinstance(insert_after, int) else tuple(insert_after)
+        if (
+            not blocks
+            or any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < depth for b in blocks)
+            or list(blocks) != sorted(set(blocks))
+        ):
+            raise ValueError(
+                f"insert_after must be increasing distinct block indices in [0, {depth}), got {insert_after!r}"
+            )
+        self.insert_after = blocks
+        self.dim = dim
+        self.pegs = nn.ModuleList(PositionEncodingGenerator(dim, kernel_size) for _ in blocks)
+        self._next = 0
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        grid_size: tuple[int, ...],
+        num_prefix_tokens: int,
+        after_block: int | None = None,
+    ) -> torch.Tensor:
+        """``x`` (B, P + H W, C) -> same shape, PEG applied to the patch tokens."""
+        grid_size = self.check_grid(grid_size)
+        if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != self.dim:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must have shape (B, num_prefix_tokens + H*W, {self.dim}), got {shape}")
+        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
+            raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
+        if x.shape[1] != num_prefix_tokens + grid_size[0] * grid_size[1]:
+            raise ValueError(
+                f"x has {x.shape[1]} tokens but grid_size {grid_size} with {num_prefix_tokens} prefix tokens "
+                f"needs {num_prefix_tokens + grid_size[0] * grid_size[1]}"
+            )
+        if after_block is None:
+            index, self._next = self._next, (self._next + 1) % len(self.pegs)
+        elif after_block in self.insert_after:
+            index = self.insert_after.index(after_block)
+        else:
+            raise ValueError(f"after_block must be one of insert_after={self.insert_after}, got {after_block!r}")
+        return self.pegs[index](x, grid_size, num_prefix_tokens)
+
+    def no_weight_decay(self) -> set[str]:
+        """The conv biases (CPVT excludes them from weight decay)."""
+        return {f"pegs.{i}.proj.bias" for i in range(len(self.pegs))}

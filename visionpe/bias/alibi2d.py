@@ -1,0 +1,102 @@
+"""2D ALiBi: Press et al., "Train Short, Test Long: Attention with Linear Biases Enables Input Length
+Extrapolation", ICLR 2022; 2D form from Fuller et al., "CROMA", NeurIPS 2023.
+
+b_h(i, j) = -s_g * m_h * ||p_i - p_j||_2 on ``index`` coordinates, added to the logits; nothing is learned and
+prefix rows and columns get 0. Slopes: m_h = 2^(-8h/H) for H = 2^k, otherwise the 2^floor(log2 H) slopes
+followed by every other slope of the 2 * 2^floor(log2 H) sequence. The bias is built for the current grid in
+each forward (one (N, N) distance map), scaled per head in each block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..base import BiasPositionEncoding
+from ..grid import grid_coords, validate_grid_size
+from ..registry import register_scheme
+
+__all__ = ["Alibi2D", "alibi_slopes", "grid_distances"]
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi head slopes m_h, float32 ``(num_heads,)``.
+
+    Example:
+        >>> alibi_slopes(4)
+        tensor([0.2500, 0.0625, 0.0156, 0.0039])
+    """
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+
+    def power_of_two(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
+
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = power_of_two(closest)
+    if closest != num_heads:
+        slopes += power_of_two(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def grid_distances(
+    grid_size: tuple[int, int], num_prefix_tokens: int = 0, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Euclidean distances ||p_i - p_j|| between ``index`` coordinates, fp32 ``(P + N, P + N)``, prefix 0.
+
+    Example:
+        >>> grid_distances((1, 3))
+        tensor([[0., 1., 2.],
+                [1., 0., 1.],
+                [2., 1., 0.]])
+    """
+    grid_size = validate_grid_size(grid_size, ndims=(2,))
+    if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
+        raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
+    coords = grid_coords(grid_size, mode="index", device=device)
+    dist = torch.cdist(coords, coords, compute_mode="donot_use_mm_for_euclid_dist")
+    return torch.nn.functional.pad(dist, (num_prefix_tokens, 0, num_prefix_tokens, 0))
+
+
+def _check_scale(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+@register_scheme("alibi2d")
+class Alibi2D(BiasPositionEncoding):
+    """Fixed 2D ALiBi distance penalty.
+
+    Args:
+        dim, num_heads, depth: model shape (the bias is the same in every block).
+        global_slope: s_g, a test-time knob (LookHere tuned 1.0/1.4/1.4/1.4/1.4/1.5/1.6 at 224...1024 px);
+            it can be changed on a trained model (``scheme.global_slope = 1.4``).
+    """
+
+    ndims = (2,)
+
+    def __init__(self, dim: int, num_heads: int, depth: int = 1, global_slope: float = 1.0) -> None:
+        super().__init__()
+        self.global_slope = _check_scale("global_slope", global_slope)
+        self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)
+
+    def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> torch.Tensor:
+        """Distance map ``(P + N, P + N)`` in fp32 for the current grid."""
+        return grid_distances(self.check_grid(grid_size), num_prefix_tokens, device)
+
+    def attn_bias(
+        self, q: torch.Tensor, k: torch.Tensor, state: torch.Tensor, layer: int, rows: slice | None = None
+    ) -> torch.Tensor:
+        """-s_g m_h ||p_i - p_j||, ``(1, h, R, P + N)`` in the dtype of q; R = P + N or the query ``rows``."""
+        n = state.shape[-1]
+        num_rows = n if rows is None else len(range(n)[rows])
+        if q.shape[-2] != num_rows or k.shape[-2] != n or q.shape[1] != self.slopes.numel():
+            raise ValueError(
+                f"q and k must have shape (B, {self.slopes.numel()}, {num_rows}, head_dim) and "
+                f"(B, {self.slopes.numel()}, {n}, head_dim) for this grid, got q {tuple(q.shape)}, k {tuple(k.shape)}"
+            )
+        dist = state if rows is None else state[rows]
+        slopes = (-self.global_slope * self.slopes).to(q.dtype)
+        return (slopes[:, None, None] * dist.to(q.dtype))[None]

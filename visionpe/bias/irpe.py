@@ -1,0 +1,336 @@
+"""iRPE: Wu et al., "Rethinking and Improving Relative Position Encoding for Vision Transformer", ICCV 2021.
+
+e_ij = (q_i k_j + b_ij) / sqrt(d), with b_ij = r_{I(i,j)} (bias mode) or q_i r^K_{I(i,j)} (contextual, on K;
++ k_j r^Q_{I(i,j)} on Q); on V: z_i = sum_j a_ij (v_j + r^V_{I(i,j)}). The bucket I(i,j) comes from the
+piecewise index g(x) = round(x) if |x| <= alpha, else sign(x) min(beta, round(alpha + ln(|x|/alpha) /
+ln(gamma/alpha) (beta - alpha))), alpha:beta:gamma = r:2r:8r, applied to the (row, col) offset by one of four
+methods (euclidean, quant, cross, product). Pairs involving a prefix token read one extra bucket.
+
+Computed bucket-first, without the authors' CUDA op: Z = q R^K is (B, h, N, n_buckets), then b_ij =
+Z[i, I(i,j)] is a gather by the (N, N) bucket map, which is cached per grid. The value term scatter-adds the
+attention probabilities into bucket sums (B, h, N, n_buckets) and multiplies by the value table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..base import BiasPositionEncoding
+from ..grid import validate_grid_size
+from ..registry import register_scheme
+
+__all__ = [
+    "IRPE",
+    "IRPEState",
+    "IRPE_METHODS",
+    "IRPE_MODES",
+    "irpe_piecewise_index",
+    "irpe_num_buckets",
+    "irpe_bucket_ids",
+]
+
+IRPE_METHODS = ("euclidean", "quant", "cross", "product")
+IRPE_MODES = ("bias", "contextual")
+_MAX_CACHED_GRIDS = 8
+
+
+def _check_positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value}")
+    return float(value)
+
+
+def irpe_piecewise_index(rel: torch.Tensor, alpha: float, beta: float, gamma: float) -> torch.Tensor:
+    """The piecewise index g of iRPE: exact near zero, logarithmic beyond ``alpha``, saturating at ``beta``.
+
+    g(x) = round(x) if |x| <= alpha, else sign(x) * trunc(min(beta, round(alpha + ln(|x|/alpha) /
+    ln(gamma/alpha) * (beta - alpha)))). Rounding is half-to-even, as ``torch.round`` in the reference code.
+
+    Args:
+        rel: relative positions, any shape, real or integer.
+        alpha, beta, gamma: 0 < alpha <= beta, gamma > alpha (the paper uses r : 2r : 8r).
+
+    Returns:
+        int64 tensor of the shape of ``rel``, values in [-floor(beta), floor(beta)].
+
+    Example:
+        >>> irpe_piecewise_index(torch.arange(6), 1.9, 3.8, 15.2)
+        tensor([0, 1, 2, 2, 3, 3])
+    """
+    if not isinstance(rel, torch.Tensor):
+        raise TypeError(f"rel must be a torch.Tensor, got {type(rel).__name__}")
+    alpha, beta, gamma = (_check_positive(n, v) for n, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)))
+    if beta < alpha:
+        raise ValueError(f"beta must be >= alpha, got alpha={alpha}, beta={beta}")
+    if gamma <= alpha:
+        raise ValueError(f"gamma must be > alpha, got alpha={alpha}, gamma={gamma}")
+    rel = rel.to(torch.float64)
+    rel_abs = rel.abs()
+    far = alpha + torch.log(rel_abs.clamp_min(alpha) / alpha) / math.log(gamma / alpha) * (beta - alpha)
+    far = torch.sign(rel) * far.round().clamp_max(beta)
+    return torch.where(rel_abs <= alpha, rel.round(), far).trunc().long()
+
+
+def irpe_num_buckets(method: str, ratio: float = 1.9, num_prefix_tokens: int = 0) -> int:
+    """Number of buckets for ``method`` with alpha:beta:gamma = r:2r:8r, plus one when there are prefix tokens.
+
+    With S = 2 floor(2r) + 1: euclidean and quant S, cross 2S, product S^2.
+
+    Example:
+        >>> irpe_num_buckets("product", 1.9), irpe_num_buckets("product", 1.9, num_prefix_tokens=1)
+        (49, 50)
+    """
+    _check_method(method)
+    ratio = _check_positive("ratio", ratio)
+    _check_prefix(num_prefix_tokens)
+    side = 2 * math.floor(2 * ratio) + 1
+    count = {"euclidean": side, "quant": side, "cross": 2 * side, "product": side * side}[method]
+    return count + (1 if num_prefix_tokens > 0 else 0)
+
+
+def irpe_bucket_ids(
+    grid_size: Sequence[int],
+    method: str = "product",
+    ratio: float = 1.9,
+    num_prefix_tokens: int = 0,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Bucket map I(i, j) for all token pairs of an (H, W) grid, prefix tokens first.
+
+    The offset is pos_i - pos_j in (row, col) order on ``index`` coordinates; the prefix rows and columns hold
+    the extra bucket ``irpe_num_buckets(method, ratio)``.
+
+    Returns:
+        int64 ``(P + N, P + N)`` for euclidean, quant and product; ``(2, P + N, P + N)`` for cross, the
+        row-offset buckets in [0, S) and the column-offset buckets in [S, 2S).
+
+    Example:
+        >>> irpe_bucket_ids((1, 2), "product", 1.9)
+        tensor([[24, 23],
+                [25, 24]])
+    """
+    grid_size = validate_grid_size(grid_size, ndims=(2,))
+    _check_method(method)
+    ratio = _check_positive("ratio", ratio)
+    _check_prefix(num_prefix_tokens)
+    alpha, beta, gamma = ratio, 2 * ratio, 8 * ratio
+    max_id = math.floor(beta)
+    side = 2 * max_id + 1
+    height, width = grid_size
+    # buckets of every possible offset (2H-1, 2W-1), then one (N, N) gather: no (N, N, 2) temporaries
+    dy = torch.arange(1 - height, height, device=device)[:, None]
+    dx = torch.arange(1 - width, width, device=device)[None, :]
+    if method == "euclidean":
+        table = irpe_piecewise_index((dy.square() + dx.square()).double().sqrt().round(), alpha, beta, gamma) + max_id
+    elif method == "quant":
+        # the reference code buckets the squared distance (the paper describes its rank)
+        table = irpe_piecewise_index(dy.square() + dx.square(), alpha, beta, gamma) + max_id
+    else:
+        by = irpe_piecewise_index(dy, alpha, beta, gamma) + max_id
+        bx = irpe_piecewise_index(dx, alpha, beta, gamma) + max_id
+        if method == "cross":
+            table = torch.stack((by.expand(-1, 2 * width - 1), bx.expand(2 * height - 1, -1) + side))
+        else:
+            table = by * side + bx
+    rows, cols = torch.arange(height, device=device), torch.arange(width, device=device)
+    offset_y = (rows[:, None, None, None] - rows[None, None, :, None]) + height - 1  # (H, 1, H, 1): y_i - y_j
+    offset_x = (cols[None, :, None, None] - cols[None, None, None, :]) + width - 1  # (1, W, 1, W): x_i - x_j
+    n = height * width
+    ids = table[..., offset_y, offset_x].reshape(*table.shape[:-2], n, n)
+    if not num_prefix_tokens:
+        return ids
+    total = num_prefix_tokens + n
+    out = ids.new_full((*table.shape[:-2], total, total), irpe_num_buckets(method, ratio))
+    out[..., num_prefix_tokens:, num_prefix_tokens:] = ids
+    return out
+
+
+def _check_method(method: str) -> None:
+    if method not in IRPE_METHODS:
+        raise ValueError(f"iRPE method must be one of {IRPE_METHODS}, got {method!r}")
+
+
+def _check_prefix(num_prefix_tokens: int) -> None:
+    if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
+        raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
+
+
+@dataclass
+class IRPEState:
+    """Per-forward iRPE state: the bucket map as gather indices, one (P + N)^2 int64 map.
+
+    ``flat[..., i, j] = i * n_buckets + I(i, j)``, shape (P + N, P + N) ((2, P + N, P + N) for cross): the
+    index of Z[..., i, I(i, j)] in Z.flatten(-2) for Z of shape (..., P + N, n_buckets).
+    """
+
+    flat: torch.Tensor
+    num_tokens: int
+
+
+@register_scheme("irpe")
+class IRPE(BiasPositionEncoding):
+    """Image relative position encoding (iRPE), one set of tables per block.
+
+    Args:
+        dim, num_heads, depth: model shape; tables are per block, shared across heads if ``shared_heads``.
+        method: ``euclidean``, ``quant``, ``cross`` or ``product`` (default, the paper's best).
+        mode: ``contextual`` (default) or ``bias`` (scalar per bucket, q and k only).
+        on: any of ``"q"``, ``"k"``, ``"v"`` (default ``"k"``, the DeiT setting); ``"v"`` needs contextual mode.
+        ratio: r in alpha:beta:gamma = r:2r:8r (default 1.9, 49 product buckets).
+        shared_heads: one table for all heads (default, as in the paper's DeiT models).
+        num_prefix_tokens: prefix tokens the model has; with any, one extra bucket is added.
+
+    Table shapes (zero init, no weight decay): bias (depth, h', n_b); contextual q/k (depth, h', head_dim, n_b);
+    v (depth, h', n_b, head_dim), h' = 1 with shared heads.
+    """
+
+    ndims = (2,)
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        depth: int = 1,
+        method: str = "product",
+        mode: str = "contextual",
+        on: str | Sequence[str] = "k",
+        ratio: float = 1.9,
+        shared_heads: bool = True,
+        num_prefix_tokens: int = 1,
+    ) -> None:
+        super().__init__()
+        _check_method(method)
+        if mode not in IRPE_MODES:
+            raise ValueError(f"iRPE mode must be one of {IRPE_MODES}, got {mode!r}")
+        on_set = tuple(on) if isinstance(on, str) else tuple(on)
+        if not on_set or any(t not in ("q", "k", "v") for t in on_set) or len(set(on_set)) != len(on_set):
+            raise ValueError(f"on must name distinct targets among 'q', 'k', 'v' (e.g. 'k' or 'qkv'), got {on!r}")
+        if mode == "bias" and "v" in on_set:
+            raise ValueError("iRPE on 'v' exists only in mode='contextual'; bias mode is defined for 'q' and 'k'")
+        if dim % num_heads:
+            raise ValueError(f"dim must be divisible by num_heads, got dim={dim}, num_heads={num_heads}")
+        _check_prefix(num_prefix_tokens)
+        self.method, self.mode, self.on = method, mode, "".join(t for t in "qkv" if t in on_set)
+        self.ratio, self.shared_heads = _check_positive("ratio", ratio), bool(shared_heads)
+        self.num_prefix_tokens, self.num_heads, self.head_dim = num_prefix_tokens, num_heads, dim // num_heads
+        self.num_buckets = irpe_num_buckets(method, self.ratio, num_prefix_tokens)
+        self.needs_probs = "v" in self.on
+        heads = 1 if self.shared_heads else num_heads
+        shapes = {
+            "q": (depth, heads, self.head_dim, self.num_buckets),
+            "k": (depth, heads, self.head_dim, self.num_buckets),
+            "v": (depth, heads, self.num_buckets, self.head_dim),
+        }
+        self.tables = nn.ParameterDict(
+            {
+                t: nn.Parameter(torch.zeros(shapes[t] if mode == "contextual" else (depth, heads, self.num_buckets)))
+                for t in self.on
+            }
+        )
+        self._cache: dict[tuple, IRPEState] = {}
+
+    def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> IRPEState:
+        """Bucket map for ``grid_size``, cached per (grid, prefix count, device)."""
+        grid_size = self.check_grid(grid_size)
+        _check_prefix(num_prefix_tokens)
+        if (num_prefix_tokens > 0) != (self.num_prefix_tokens > 0):
+            raise ValueError(
+                f"iRPE tables were built for num_prefix_tokens={self.num_prefix_tokens} "
+                f"({self.num_buckets} buckets), got num_prefix_tokens={num_prefix_tokens}"
+            )
+        key = (grid_size, num_prefix_tokens, str(torch.device(device) if device is not None else "cpu"))
+        state = self._cache.get(key)
+        if state is None:
+            flat = irpe_bucket_ids(grid_size, self.method, self.ratio, num_prefix_tokens, device)
+            n = flat.shape[-1]
+            flat += torch.arange(n, device=flat.device)[:, None] * self.num_buckets
+            state = IRPEState(flat=flat, num_tokens=n)
+            if len(self._cache) >= _MAX_CACHED_GRIDS:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = state
+        return state
+
+    def _lookup(self, values: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """values (..., M, n_b), flat (M, K) -> (..., M, K): values.flatten(-2)[..., flat] (summed for cross)."""
+        flat_values = values.flatten(-2)
+        if self.method == "cross":
+            return flat_values[..., flat[0]] + flat_values[..., flat[1]]
+        return flat_values[..., flat]
+
+    def _row_ids(self, state: IRPEState, rows: slice | None) -> torch.Tensor:
+        """``state.flat`` for the query ``rows``, re-based so that row ``rows.start`` is row 0 of Z."""
+        if rows is None:
+            return state.flat
+        start = range(state.num_tokens)[rows].start if len(range(state.num_tokens)[rows]) else 0
+        return state.flat[..., rows, :] - start * self.num_buckets
+
+    def _check_rows(self, x: torch.Tensor, state: IRPEState, name: str, rows: slice | None) -> int:
+        n = state.num_tokens
+        if rows is not None and (not isinstance(rows, slice) or rows.step not in (None, 1)):
+            raise ValueError(f"rows must be a contiguous slice of query rows, got {rows!r}")
+        expected = n if rows is None else len(range(n)[rows])
+        if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[-2] != expected or x.shape[-1] != self.head_dim:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(
+                f"{name} must have shape (B, num_heads, {expected}, {self.head_dim}) for this grid"
+                f"{'' if rows is None else f' and rows={rows}'}, got {shape}"
+            )
+        return expected
+
+    def attn_bias(
+        self, q: torch.Tensor, k: torch.Tensor, state: IRPEState, layer: int, rows: slice | None = None
+    ) -> torch.Tensor:
+        """Logits (B or 1, h or 1, R, P + N) from q (B, h, R, head_dim) and k (B, h, P + N, head_dim).
+
+        R = P + N, or the query rows ``rows`` (a slice) when attention is computed in query chunks.
+        """
+        num_rows = self._check_rows(q, state, "q", rows)
+        self._check_rows(k, state, "k", None)
+        flat = self._row_ids(state, rows)
+        bias = None
+        scale = self.head_dim**-0.5  # (q / sqrt(d)) R = q (R / sqrt(d)): scale the small table, not q
+        for target in self.on.replace("v", ""):
+            table = self.tables[target][layer]
+            if self.mode == "bias":
+                term = self._lookup(table[None, :, None, :].expand(-1, -1, num_rows, -1), flat)
+            elif target == "k":
+                term = self._lookup(q @ (table * scale).to(q.dtype), flat)
+            else:
+                # the query-side term is a key-side lookup, transposed (as the reference code does)
+                flat_t = state.flat if rows is None else state.flat[..., rows]
+                term = self._lookup(k @ (table * scale).to(k.dtype), flat_t).transpose(-2, -1)
+            bias = term if bias is None else bias + term
+        if bias is None:  # values only: no logit term
+            return q.new_zeros(1, 1, 1, 1)
+        return bias
+
+    def value_term(self, attn: torch.Tensor, state: IRPEState, layer: int, rows: slice | None = None) -> torch.Tensor:
+        """sum_j a_ij r^V_{I(i,j)}: probabilities ``attn`` (B, h, R, P + N) -> (B, h, R, head_dim).
+
+        R = P + N, or the query rows ``rows`` when attention is computed in query chunks.
+        """
+        if "v" not in self.on:
+            return super().value_term(attn, state, layer)
+        n = state.num_tokens
+        if rows is not None and (not isinstance(rows, slice) or rows.step not in (None, 1)):
+            raise ValueError(f"rows must be a contiguous slice of query rows, got {rows!r}")
+        num_rows = n if rows is None else len(range(n)[rows])
+        if not isinstance(attn, torch.Tensor) or attn.ndim != 4 or attn.shape[-2:] != (num_rows, n):
+            shape = tuple(attn.shape) if isinstance(attn, torch.Tensor) else type(attn).__name__
+            raise ValueError(f"attn must have shape (B, num_heads, {num_rows}, {n}), got {shape}")
+        flat = self._row_ids(state, rows)
+        flat_attn = attn.flatten(-2)
+        sums = attn.new_zeros(*attn.shape[:2], num_rows * self.num_buckets)
+        for flat_ids in flat if self.method == "cross" else (flat,):
+            sums = sums.index_add(-1, flat_ids.flatten(), flat_attn)
+        return sums.unflatten(-1, (num_rows, self.num_buckets)) @ self.tables["v"][layer].to(attn.dtype)
+
+    def no_weight_decay(self) -> set[str]:
+        return {f"tables.{t}" for t in self.tables}

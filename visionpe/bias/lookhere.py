@@ -1,0 +1,221 @@
+"""LookHere: Fuller et al., "LookHere: Vision Transformers with Directed Attention Generalize and
+Extrapolate", NeurIPS 2024.
+
+A^l = softmax(QK^T / sqrt(d) - M^l), M^l_{h,i,j} = s_g s_l(l) s_h(h) ||p_i - p_j||_2 if j is in head h's field
+of view from i, +inf otherwise; no PE is added. Directed heads look in one direction (LH-180 half-planes,
+LH-90 quadrants, LH-45 octants), undirected heads see everything. s_l = linspace(1.5, 0.5, depth); directed
+s_h = 1/2 (cardinal) or 1/4 (intercardinal). Prefix rows and columns are 0.
+
+Memory: per forward, one (P + N, P + N) fp32 distance map and one (h, P + N, P + N) boolean view mask (a
+quarter of an fp32 bias); each block builds its scaled bias from them in the activation dtype (optionally only
+for a chunk of query rows). Nothing is precomputed per layer or per resolution.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..base import BiasPositionEncoding
+from ..grid import grid_coords, validate_grid_size
+from ..registry import register_scheme
+from .alibi2d import grid_distances
+
+__all__ = ["LookHere", "LookHereState", "LOOKHERE_VARIANTS", "lookhere_heads", "lookhere_fov_masks"]
+
+LOOKHERE_VARIANTS = ("180", "90", "45")
+# view directions in degrees, x to the right and y down (90 = down): cardinal first, then intercardinal
+_DIRECTIONS = {
+    "180": (0.0, 90.0, 180.0, 270.0, 45.0, 135.0, 225.0, 315.0),
+    "90": (0.0, 90.0, 180.0, 270.0, 45.0, 135.0, 225.0, 315.0),
+    # the four cardinal LH-90 quadrants, each cut in two: eight octants that tile the plane
+    "45": (-22.5, 22.5, 67.5, 112.5, 157.5, 202.5, 247.5, 292.5),
+}
+_UNDIRECTED_SLOPES = {"paper": 0.5, "released": 0.25}  # first slope; each next one is a quarter of it
+
+
+def lookhere_heads(
+    num_heads: int, variant: str = "180", undirected_slopes: str = "paper"
+) -> tuple[list[float | None], list[float]]:
+    """Per-head view direction (degrees, None for undirected) and slope s_h.
+
+    ViT-B (12 heads): 8 directed (4 cardinal with s_h = 1/2, 4 intercardinal with 1/4) and 4 undirected with
+    (1/2, 1/8, 1/32, 1/128) (``paper``) or (1/4, 1/16, 1/64, 1/256) (``released``). [visionpe] Other head
+    counts keep the 2:1 ratio: round(2h/3) directed heads, taking the directions in the order above and
+    cycling past 8, and the undirected slopes continue the geometric sequence.
+
+    Example:
+        >>> directions, slopes = lookhere_heads(6)
+        >>> directions, slopes
+        ([0.0, 90.0, 180.0, 270.0, None, None], [0.5, 0.5, 0.5, 0.5, 0.5, 0.125])
+    """
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    if variant not in LOOKHERE_VARIANTS:
+        raise ValueError(f"LookHere variant must be one of {LOOKHERE_VARIANTS}, got {variant!r}")
+    if undirected_slopes not in _UNDIRECTED_SLOPES:
+        raise ValueError(f"undirected_slopes must be one of {tuple(_UNDIRECTED_SLOPES)}, got {undirected_slopes!r}")
+    num_directed = round(2 * num_heads / 3)
+    directions: list[float | None] = [_DIRECTIONS[variant][h % 8] for h in range(num_directed)]
+    slopes = [0.5 if h % 8 < 4 else 0.25 for h in range(num_directed)]
+    first = _UNDIRECTED_SLOPES[undirected_slopes]
+    for u in range(num_heads - num_directed):
+        directions.append(None)
+        slopes.append(first * 0.25**u)
+    return directions, slopes
+
+
+def _unit(degrees: float) -> tuple[float, float]:
+    """(x, y) direction scaled so that multiples of 45 degrees are exact small integers."""
+    x, y = math.cos(math.radians(degrees)), math.sin(math.radians(degrees))
+    largest = max(abs(x), abs(y))
+    return round(x / largest, 12), round(y / largest, 12)
+
+
+def _fov_mask(dy: torch.Tensor, dx: torch.Tensor, direction: float | None, fov: float) -> torch.Tensor:
+    """One head's view from offsets p_j - p_i (dy, dx), bool, boundary rays included."""
+    if direction is None or fov >= 360:
+        return torch.ones_like(dy, dtype=torch.bool)
+    if fov == 180:
+        ux, uy = _unit(direction)
+        return dx * ux + dy * uy >= 0
+    # a sector between two rays: counter-clockwise of the first, clockwise of the second (y down). With the
+    # default views the rays are axes or diagonals, so on integer offsets both tests are exact.
+    ax, ay = _unit(direction - fov / 2)
+    bx, by = _unit(direction + fov / 2)
+    after_first, before_second = ax * dy - ay * dx >= 0, dx * by - dy * bx >= 0
+    inside = after_first & before_second if fov < 180 else after_first | before_second
+    return inside | ((dy == 0) & (dx == 0))
+
+
+def _offsets(grid_size: tuple[int, int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    y, x = grid_coords(grid_size, mode="index", device=device).unbind(-1)
+    return y[None, :] - y[:, None], x[None, :] - x[:, None]  # (N, N) each: p_j - p_i
+
+
+def lookhere_fov_masks(
+    grid_size: tuple[int, int],
+    directions: Sequence[float | None],
+    fov: float,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Field-of-view masks, bool ``(len(directions), N, N)``: [h, i, j] is True if j is visible from i.
+
+    j is visible if j = i or the angle between p_j - p_i and the head's direction (degrees, x right, y down)
+    is <= fov / 2. Boundary rays are included, so neighbouring views overlap on them and together cover
+    every key. A direction of None sees everything.
+
+    Example:
+        >>> lookhere_fov_masks((1, 3), [0.0], fov=180.0)[0].int()  # looking right along one row
+        tensor([[1, 1, 1],
+                [0, 1, 1],
+                [0, 0, 1]], dtype=torch.int32)
+    """
+    grid_size = validate_grid_size(grid_size, ndims=(2,))
+    fov = _check_fov(fov)
+    if not isinstance(directions, (list, tuple)) or not all(
+        d is None or (isinstance(d, (int, float)) and not isinstance(d, bool)) for d in directions
+    ):
+        raise ValueError(f"directions must be a list of angles in degrees or None, got {directions!r}")
+    dy, dx = _offsets(grid_size, device)
+    return torch.stack([_fov_mask(dy, dx, d, fov) for d in directions])
+
+
+def _check_fov(fov: float) -> float:
+    if isinstance(fov, bool) or not isinstance(fov, (int, float)) or not 0 < fov <= 360:
+        raise ValueError(f"fov must be a number of degrees in (0, 360], got {fov!r}")
+    return float(fov)
+
+
+def _check_positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+@dataclass
+class LookHereState:
+    """Per-forward LookHere state for one grid.
+
+    ``distances``: fp32 (P + N, P + N), ||p_i - p_j|| on ``index`` coordinates, 0 on prefix rows/columns.
+    ``blocked``: bool (h, P + N, P + N), True where key j is outside head h's view from query i.
+    """
+
+    distances: torch.Tensor
+    blocked: torch.Tensor
+
+
+@register_scheme("lookhere")
+class LookHere(BiasPositionEncoding):
+    """LookHere directed attention masks with distance penalties, built per forward for the current grid.
+
+    Args:
+        dim, num_heads, depth: model shape.
+        variant: ``"180"`` (default), ``"90"`` or ``"45"``: the field of view of the directed heads.
+        global_slope: s_g, a test-time knob (published 1.0/1.0/0.95/0.95/0.95/0.75/0.6 at
+            224/320/384/448/512/768/1024 px); change it on a trained model with ``scheme.global_slope = 0.95``.
+        layer_slopes: (first, last) of s_l = linspace(first, last, depth).
+        undirected_slopes: ``paper`` (1/2, 1/8, ...) or ``released`` (1/4, 1/16, ...), the released code's values.
+    """
+
+    ndims = (2,)
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        depth: int = 1,
+        variant: str = "180",
+        global_slope: float = 1.0,
+        layer_slopes: tuple[float, float] = (1.5, 0.5),
+        undirected_slopes: str = "paper",
+    ) -> None:
+        super().__init__()
+        self.variant = variant
+        self.directions, head_slopes = lookhere_heads(num_heads, variant, undirected_slopes)
+        self.global_slope = _check_positive("global_slope", global_slope)
+        if not isinstance(layer_slopes, (tuple, list)) or len(layer_slopes) != 2:
+            raise ValueError(f"layer_slopes must be a (first, last) pair, got {layer_slopes!r}")
+        first, last = (_check_positive(f"layer_slopes[{i}]", s) for i, s in enumerate(layer_slopes))
+        self.register_buffer("head_slopes", torch.tensor(head_slopes), persistent=False)
+        self.register_buffer("layer_slopes", torch.linspace(first, last, depth), persistent=False)
+        self.fov = {"180": 180.0, "90": 90.0, "45": 45.0}[variant]
+
+    def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> LookHereState:
+        """Distances and view masks for ``grid_size`` (prefix tokens see and are seen by every token)."""
+        grid_size = self.check_grid(grid_size)
+        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
+            raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
+        device = torch.device(device) if device is not None else self.head_slopes.device
+        distances = grid_distances(grid_size, num_prefix_tokens, device)
+        dy, dx = _offsets(grid_size, device)
+        p, total = num_prefix_tokens, distances.shape[0]
+        blocked = torch.zeros(len(self.directions), total, total, dtype=torch.bool, device=device)
+        for h, direction in enumerate(self.directions):
+            if direction is not None:
+                blocked[h, p:, p:] = ~_fov_mask(dy, dx, direction, self.fov)
+        return LookHereState(distances=distances, blocked=blocked)
+
+    def attn_bias(
+        self, q: torch.Tensor, k: torch.Tensor, state: LookHereState, layer: int, rows: slice | None = None
+    ) -> torch.Tensor:
+        """-M^l for block ``layer``: ``(1, h, R, P + N)`` in the dtype of q; R = P + N or the query ``rows``."""
+        heads, n = state.blocked.shape[0], state.distances.shape[-1]
+        if rows is not None and (not isinstance(rows, slice) or rows.step not in (None, 1)):
+            raise ValueError(f"rows must be a contiguous slice of query rows, got {rows!r}")
+        num_rows = n if rows is None else len(range(n)[rows])
+        if q.shape[-2] != num_rows or k.shape[-2] != n or q.shape[1] != heads:
+            raise ValueError(
+                f"q and k must have shape (B, {heads}, {num_rows}, head_dim) and "
+                f"(B, {heads}, {n}, head_dim) for this grid, got q {tuple(q.shape)}, k {tuple(k.shape)}"
+            )
+        if not 0 <= layer < self.layer_slopes.numel():
+            raise ValueError(f"layer must be in [0, {self.layer_slopes.numel()}), got {layer}")
+        distances = state.distances if rows is None else state.distances[rows]
+        blocked = state.blocked if rows is None else state.blocked[:, rows]
+        slopes = (-self.global_slope * self.layer_slopes[layer] * self.head_slopes).to(q.dtype)
+        bias = distances.to(q.dtype)[None] * slopes[:, None, None]
+        return bias.masked_fill_(blocked, float("-inf"))[None]
