@@ -72,7 +72,8 @@ class PositionEncoding(nn.Module):
 
 
 class AbsolutePositionEncoding(PositionEncoding, ABC):
-    """Added to tokens. ``insert_after`` empty: applied once, before the blocks; else after those blocks."""
+    """Added to tokens. ``insert_after`` empty: applied once, before the blocks; else after each of those blocks,
+    called with ``after_block=i`` (so ``forward`` then takes that keyword)."""
 
     kind = "absolute"
     insert_after: tuple[int, ...] = ()

@@ -50,8 +50,8 @@ class PEG(AbsolutePositionEncoding):
         insert_after: block indices, e.g. ``(0,)`` (default) or ``(0, 1, 2, 3, 4)``; one PEG each.
         kernel_size: depthwise kernel size (3).
 
-    The model calls the scheme once after each listed block, in order; ``after_block`` selects the PEG when
-    given, otherwise the calls of one forward are matched to the PEGs in order.
+    The model calls the scheme after each listed block with ``after_block`` set, which selects that block's PEG;
+    with a single placement ``after_block`` may be omitted.
     """
 
     ndims = (2,)
@@ -77,7 +77,6 @@ class PEG(AbsolutePositionEncoding):
         self.insert_after = blocks
         self.dim = dim
         self.pegs = nn.ModuleList(PositionEncodingGenerator(dim, kernel_size) for _ in blocks)
-        self._next = 0
 
     def forward(
         self,
@@ -98,8 +97,8 @@ class PEG(AbsolutePositionEncoding):
                 f"x has {x.shape[1]} tokens but grid_size {grid_size} with {num_prefix_tokens} prefix tokens "
                 f"needs {num_prefix_tokens + grid_size[0] * grid_size[1]}"
             )
-        if after_block is None:
-            index, self._next = self._next, (self._next + 1) % len(self.pegs)
+        if after_block is None and len(self.pegs) == 1:
+            index = 0
         elif after_block in self.insert_after:
             index = self.insert_after.index(after_block)
         else:

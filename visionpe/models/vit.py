@@ -153,7 +153,7 @@ class VisionPEViT(VisionTransformer):
                 x = blk(x, attn_mask=attn_mask, is_causal=is_causal, pos=ctx)
             for scheme in inserts:
                 if i in scheme.insert_after:
-                    x = scheme(x, grid_size, self.num_prefix_tokens)
+                    x = scheme(x, grid_size, self.num_prefix_tokens, after_block=i)
             yield x
 
     def forward_features(
