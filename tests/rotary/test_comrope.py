@@ -6,6 +6,7 @@ import visionpe
 from visionpe.grid import grid_coords
 from visionpe.rotary.comrope_ap import ComRoPEAP
 from visionpe.rotary.comrope_ld import ComRoPELD
+from visionpe.rotary.lie_base import LieBlockRotary
 from visionpe.rotary.rope_axial import RopeAxial
 
 CLASSES = [ComRoPEAP, ComRoPELD]
@@ -101,3 +102,20 @@ def test_model_forward_backward(name, size):
             if param.requires_grad:
                 assert param.grad is not None and torch.isfinite(param.grad).all(), pname
                 assert param.grad.abs().sum() > 0, pname
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("block_size, ndim, grid", [(2, 2, (3, 5)), (8, 2, (4, 6)), (4, 3, (2, 3, 4))])
+def test_per_value_rotations_equal_per_token_exponentials(cls, block_size, ndim, grid):
+    # the fast path (one exponential per distinct coordinate value) against exp(sum_a x_a A_a) per token
+    scheme = cls(128, 2, depth=2, block_size=block_size, ndim=ndim, rotate_prefix=True)
+    coords, _ = scheme.prepare(grid_coords(grid, mode="normalized"), num_prefix_tokens=1)
+    jittered = coords + 0.01 * torch.randn_like(coords)  # every value distinct: no sharing at all
+    for pos in (coords, jittered):
+        fast, slow = scheme.rotations(pos, 1), LieBlockRotary.rotations(scheme, pos, 1)
+        assert fast.shape == slow.shape == (2, len(pos), 64 // block_size, block_size, block_size)
+        assert torch.allclose(fast, slow, atol=1e-6)
+        weights = torch.randn_like(fast)
+        grads = [torch.autograd.grad((rot * weights).sum(), list(scheme.parameters())) for rot in (fast, slow)]
+        for g_fast, g_slow in zip(*grads, strict=True):
+            assert torch.allclose(g_fast, g_slow, atol=1e-4, rtol=1e-4)

@@ -7,7 +7,7 @@ import torch
 import visionpe
 from visionpe.grid import grid_coords
 from visionpe.rotary.liere import LieRE
-from visionpe.rotary.skew_exp import linear_skew_expm, skew_from_params
+from visionpe.rotary.skew_exp import apply_block_rotation, block_skew_expm, linear_skew_expm, skew_from_params
 
 
 def _scores(scheme, coords, q, k):
@@ -129,3 +129,29 @@ def test_model_forward_backward(name, size):
             if param.requires_grad:
                 assert param.grad is not None and torch.isfinite(param.grad).all(), pname
                 assert param.grad.abs().sum() > 0, pname
+
+
+def test_block_layout_matches_linear_skew_expm():
+    gen = skew_from_params(torch.rand(3, 4, 2, 6), 4)  # (heads, blocks, ndim, b, b)
+    coords = grid_coords((3, 4))
+    rot = block_skew_expm(gen, coords)
+    assert rot.shape == (3, 12, 4, 4, 4) and rot.dtype == torch.float32
+    flat = linear_skew_expm(gen.flatten(0, 1), coords)  # (N, heads * blocks, b, b)
+    assert torch.allclose(rot, flat.view(12, 3, 4, 4, 4).transpose(0, 1), atol=1e-6)
+
+
+@pytest.mark.parametrize("prefix", [0, 2])
+@pytest.mark.parametrize("heads_rot", [1, 3])
+def test_apply_block_rotation_equals_dense_product(prefix, heads_rot):
+    heads, tokens, b = 3, 5, 4
+    rot = linear_skew_expm(skew_from_params(torch.rand(heads_rot * 8, 1, 6), b), torch.rand(tokens, 1) * 4)
+    rot = rot.view(tokens, heads_rot, 8, b, b).transpose(0, 1)  # (heads | 1, N, blocks, b, b)
+    qkv = torch.randn(2, tokens + prefix, 3, heads, 32)
+    qk = qkv.permute(2, 0, 3, 1, 4)[:2]  # strided (2, B, heads, tokens, head_dim), as attention passes it
+    out = apply_block_rotation(qk, rot, prefix)
+    full = torch.cat((torch.eye(b).expand(heads_rot, prefix, 8, b, b), rot), dim=1)
+    expected = torch.einsum("htkij,sbhtkj->sbhtki", full, qk.unflatten(-1, (8, b))).flatten(-2)
+    assert out.shape == qk.shape and torch.allclose(out, expected, atol=1e-5)
+    assert torch.equal(out[..., :prefix, :], qk[..., :prefix, :])
+    low = apply_block_rotation(qk.bfloat16(), rot, prefix)
+    assert low.dtype == torch.bfloat16 and torch.allclose(low.float(), expected, atol=0.1)

@@ -7,6 +7,10 @@ R(x)^T R(y) = R(y - x) exactly. P: (h, m, b, b) ~ N(0, init_std^2) per layer. b 
 Positions `normalized`, (i + 0.5) / n per axis (``pos_norm='test_grid'``) or / n_train (``'train_grid'``)
 [visionpe]. The reference rotates the cls token at (0.5, ..., 0.5): ``rotate_prefix=True``; default: identity.
 Rotations are applied per block, never as (B, L, h, d, d) matrices.
+
+Cost: block j of a token turns by exp(x_a S_j) with one fixed skew S_j = P_j - P_j^T, so the exponentials are taken
+once per distinct value of each coordinate (a grid has H distinct y and W distinct x) and every token gathers
+its blocks from that small table (:meth:`ComRoPEAP.rotations`); gradients flow through the exponentials exactly.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 from ..grid import grid_coords
 from ..registry import register_scheme
 from .lie_base import LieBlockRotary
+from .skew_exp import block_skew_expm
 
 __all__ = ["ComRoPEBase", "ComRoPEAP"]
 
@@ -118,3 +123,19 @@ class ComRoPEAP(ComRoPEBase):
     def generators(self, layer: int) -> torch.Tensor:
         # (h, m, 1, b, b) * (m, ndim, 1, 1): block j only on axis j mod ndim
         return self.skew_blocks(layer).unsqueeze(2) * self.axis_mask[:, :, None, None]
+
+    def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
+        skew = self.skew_blocks(layer)  # (h, m, b, b)
+        heads, blocks, b = skew.shape[0], self.num_blocks, self.block_size
+        tables, offsets, index = [], 0, torch.empty(len(coords), blocks, dtype=torch.long, device=coords.device)
+        for axis in range(self.ndim):
+            # blocks axis, axis + ndim, ... turn with this coordinate only: exp(v S_j) for its distinct values v
+            values, inverse = torch.unique(coords[:, axis], return_inverse=True)
+            own = torch.arange(axis, blocks, self.ndim, device=coords.device)
+            table = block_skew_expm(skew[:, own, None], values[:, None], torch.float64)  # (h, V, m_a, b, b)
+            tables.append(table.flatten(1, 2))
+            # token n, block own[k] reads row inverse[n] * m_a + k of this axis' table
+            index[:, own] = offsets + inverse[:, None] * len(own) + torch.arange(len(own), device=coords.device)
+            offsets += table.shape[1] * table.shape[2]
+        # one gather builds every token's blocks, already in the (h, N, m) layout the product reads
+        return torch.cat(tables, 1).index_select(1, index.flatten()).view(heads, len(coords), blocks, b, b)

@@ -5,6 +5,10 @@ Linearly dependent generators: B_ij = theta_ij (P_j - P_j^T), so sum_i x_i A_i h
 (sum_i theta_ij x_i)(P_j - P_j^T): all A_i commute and R(x)^T R(y) = R(y - x) exactly.
 P: (h, m, b, b) ~ N(0, init_std^2) per layer; theta: (n_axes, m) ~ N(0, 1) per layer, shared across heads.
 Positions and prefix handling as ComRoPE-AP (:mod:`.comrope_ap`).
+
+Cost: the terms of the exponent commute, so exp(sum_i theta_ij x_i S_j) = prod_i exp(theta_ij x_i S_j): one
+exponential per distinct value of each coordinate, gathered per token, then one b x b product per block and
+extra axis (:meth:`ComRoPELD.rotations`) instead of one exponential per token; gradients flow exactly.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from torch import nn
 
 from ..registry import register_scheme
 from .comrope_ap import ComRoPEBase
+from .skew_exp import block_skew_expm
 
 __all__ = ["ComRoPELD"]
 
@@ -53,3 +58,15 @@ class ComRoPELD(ComRoPEBase):
     def generators(self, layer: int) -> torch.Tensor:
         theta = self.multipliers[layer if self.multipliers.shape[0] > 1 else 0]  # (m, ndim)
         return self.skew_blocks(layer).unsqueeze(2) * theta[None, :, :, None, None]
+
+    def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
+        skew = self.skew_blocks(layer)  # (h, m, b, b)
+        theta = self.multipliers[layer if self.multipliers.shape[0] > 1 else 0]  # (m, ndim)
+        rot = None
+        for axis in range(self.ndim):
+            values, inverse = torch.unique(coords[:, axis], return_inverse=True)
+            # exp(v theta_aj S_j) for the distinct values v of this coordinate, then every token's row
+            gen = (skew * theta[:, axis, None, None]).unsqueeze(2)  # (h, m, 1, b, b): theta_aj S_j
+            factor = block_skew_expm(gen, values[:, None], torch.float64).index_select(1, inverse)
+            rot = factor if rot is None else rot @ factor  # (h, N, m, b, b); the factors commute
+        return rot

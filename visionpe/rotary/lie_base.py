@@ -1,7 +1,10 @@
 """Shared machinery of the Lie-group rotary schemes (LieRE, ComRoPE): R(p) = exp(sum_a p_a A_a) in b x b blocks.
 
-``prepare`` keeps the (possibly PI-scaled) coordinates; ``apply`` exponentiates the layer's generators for every
-token once per forward (:func:`~visionpe.rotary.skew_exp.linear_skew_expm`) and rotates q and k per block.
+``prepare`` keeps the (possibly PI-scaled) coordinates; ``apply`` exponentiates the layer's generators once per
+forward for all tokens (never per image: positions are shared by the batch), by default with the series of
+:func:`~visionpe.rotary.skew_exp.block_skew_expm` (fp64 inside, fp32 out), and rotates q and k per block with
+one batched product (:func:`~visionpe.rotary.skew_exp.apply_block_rotation`). ComRoPE overrides
+:meth:`LieBlockRotary.rotations` with its cheaper commuting form (one exponential per distinct coordinate).
 Only PI (coordinate scaling) applies: the rotations have no frequency list that NTK or YaRN could rescale.
 """
 
@@ -14,7 +17,7 @@ import torch
 
 from ..base import RotaryPositionEncoding
 from .scaling import Extrapolation
-from .skew_exp import apply_block_rotation, linear_skew_expm
+from .skew_exp import apply_block_rotation, block_skew_expm
 
 __all__ = ["LieBlockRotary"]
 
@@ -77,10 +80,7 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
 
     def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
         """(num_heads | 1, N, num_blocks, b, b) fp32 rotations of block ``layer`` at ``coords`` (N, ndim)."""
-        gen = self.generators(layer)
-        heads = gen.shape[0]
-        rot = linear_skew_expm(gen.flatten(0, 1), coords)  # (N, heads * blocks, b, b)
-        return rot.view(len(coords), heads, self.num_blocks, self.block_size, self.block_size).transpose(0, 1)
+        return block_skew_expm(self.generators(layer), coords)
 
     def apply(self, qk: torch.Tensor, state: tuple[torch.Tensor, int], layer: int) -> torch.Tensor:
         coords, num_prefix_tokens = state

@@ -1,12 +1,18 @@
-"""Block rotations R(p) = exp(sum_a p_a A_a) for Lie-group position encodings (LieRE, ComRoPE).
+"""Block rotations R(p) = exp(sum_a p_a A_a) for Lie-group position encodings (LieRE, ComRoPE), and their application.
 
 The generators A_a are b x b skew-symmetric blocks shared by every token, so the Taylor series of the exponent,
 (sum_a p_a A_a)^k = sum_{|alpha| = k} p^alpha W_alpha, splits into token monomials p^alpha and matrices
 W_alpha (the sum of all words in the A_a with letter counts alpha) that do not depend on the token. The
 truncated series for every token is then one matrix product (N, T) @ (T, blocks * b * b) instead of N small
 matrix exponentials, and the exact exponential follows by scaling and squaring: exp(M) = exp(M / 2^s)^(2^s),
-with s set from a bound on the norm so that the truncation error stays below rounding. The series and
-squarings run in fp64 (each squaring doubles the error), the result is fp32.
+with s set from a bound on the spectral norm so that the truncation error stays below rounding.
+
+When the exponent of a block is a scalar times one fixed skew matrix (ComRoPE), exp((c1 + c2) S) =
+exp(c1 S) exp(c2 S) and only the distinct values of each coordinate need an exponential
+(:func:`block_skew_expm` with one axis, fp64: a small stack); the tokens then gather them.
+
+Rotations are applied per b x b block as one batched matrix product whose batch is (head, token, block) and
+whose rows are all images of the batch (q and k together): each small matrix is read once for 2 B vectors.
 """
 
 from __future__ import annotations
@@ -16,10 +22,10 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["skew_from_params", "linear_skew_expm", "apply_block_rotation"]
+__all__ = ["skew_from_params", "linear_skew_expm", "block_skew_expm", "apply_block_rotation"]
 
 _ORDER = 12  # Taylor degree: theta^13 / 13! < 4e-8 for theta = 1.5
-_THETA = 1.5  # largest norm bound evaluated by the series directly
+_THETA = 1.5  # largest spectral norm evaluated by the series directly
 
 
 def skew_from_params(params: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -64,8 +70,79 @@ def _monomials(ndim: int, order: int) -> tuple[list[list[tuple[int, ...]]], list
     return levels, parents
 
 
+def _word_table(generators: torch.Tensor) -> torch.Tensor:
+    """(T, G, b, b) matrices W_alpha / |alpha|! for every monomial alpha of degree <= _ORDER, from (G, ndim, b, b)."""
+    num_blocks, ndim, b, _ = generators.shape
+    levels, parents = _monomials(ndim, _ORDER)
+    # words are stored (G, b, T, b): left-multiplying all T of them by A_a is one (b x b) @ (b x T b) bmm
+    word = torch.eye(b, dtype=generators.dtype, device=generators.device).reshape(1, b, 1, b)
+    word = word.repeat(num_blocks, 1, 1, 1)
+    words = [word]
+    for k in range(1, _ORDER + 1):
+        prev = word.reshape(num_blocks, b, -1)
+        word = generators.new_zeros(num_blocks, b, len(levels[k]), b)
+        for axis in range(ndim):
+            # a word of degree k is A_a times a word of degree k - 1 (first letter a)
+            prod = (generators[:, axis] @ prev).view(num_blocks, b, -1, b)
+            parent = torch.tensor(parents[k][axis], device=generators.device)
+            keep = (parent >= 0).nonzero().squeeze(1)
+            word = word.index_add(2, keep, prod.index_select(2, parent[keep]))
+        word = word / k  # 1/k! accumulates level by level
+        words.append(word)
+    return torch.cat(words, dim=2).permute(2, 0, 1, 3)
+
+
+def block_skew_expm(generators: torch.Tensor, coords: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """exp(sum_a coords[n, a] generators[h, j, a]) for every head h, token n and block j.
+
+    Args:
+        generators: (H, M, ndim, b, b) skew-symmetric generators (e.g. heads x blocks).
+        coords: (N, ndim) token positions.
+        dtype: working precision of the series and the squarings (the result is fp32). Each squaring doubles
+            the error before it: fp32 (torch.linalg.matrix_exp's accuracy) ends near 2^s * 1e-7, which breaks
+            the exact relative property of commuting generators at 1e-5; fp64 ends at fp32 rounding.
+
+    Returns:
+        (H, N, M, b, b) float32 rotations, the layout :func:`apply_block_rotation` reads.
+    """
+    if generators.ndim != 5 or generators.shape[-1] != generators.shape[-2]:
+        raise ValueError(f"generators must have shape (H, M, ndim, b, b), got {tuple(generators.shape)}")
+    if coords.ndim != 2 or coords.shape[1] != generators.shape[2]:
+        raise ValueError(f"coords must have shape (N, ndim={generators.shape[2]}), got {tuple(coords.shape)}")
+    heads, blocks, ndim, b, _ = generators.shape
+    tokens = len(coords)
+    with torch.autocast(coords.device.type, enabled=False):
+        if b == 2:  # a 2 x 2 skew generator is a plane rotation: exact closed form
+            angle = torch.einsum("na,hma->hnm", coords.float(), generators[..., 1, 0].float())
+            cos, sin = angle.cos(), angle.sin()
+            return torch.stack((cos, -sin, sin, cos), dim=-1).view(*angle.shape, 2, 2)
+        gen, coords = generators.to(dtype).flatten(0, 1), coords.to(dtype)
+        with torch.no_grad():
+            # M = sum_a p_a A_a is skew: its eigenvalues come in pairs +-i lambda, so ||M||_2 <= ||M||_F / sqrt(2),
+            # and ||M||_F^2 = p^T Gram p with Gram[a, c] = <A_a, A_c>: one squaring count s for all tokens and blocks
+            gram = torch.einsum("gaij,gcij->gac", gen, gen)
+            norm2 = torch.einsum("na,gac,nc->ng", coords, gram, coords)
+            rho = math.sqrt(max(float(norm2.max()), 0.0) / 2) if norm2.numel() else 0.0
+        squarings = max(0, math.ceil(math.log2(rho / _THETA))) if rho > _THETA else 0
+        coords = coords / 2**squarings
+
+        table = _word_table(gen)  # (T, H * M, b, b)
+        levels, _ = _monomials(ndim, _ORDER)
+        exponents = torch.tensor([alpha for level in levels for alpha in level], device=coords.device)  # (T, ndim)
+        powers = coords.unsqueeze(-1) ** torch.arange(_ORDER + 1, device=coords.device)  # (N, ndim, K + 1)
+        monomials = powers.gather(2, exponents.T.unsqueeze(0).expand(tokens, -1, -1)).prod(1)  # (N, T)
+        # (N, T) @ (H, T, M b b): every token's series at once, already in the (H, N, M) layout
+        rot = monomials @ table.reshape(len(table), heads, -1).transpose(0, 1)
+        rot = rot.view(heads * tokens * blocks, b, b)
+        for _ in range(squarings):
+            rot = torch.bmm(rot, rot)
+    return rot.view(heads, tokens, blocks, b, b).float()
+
+
 def linear_skew_expm(generators: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
     """exp(sum_a coords[n, a] generators[g, a]) for every token n and block g, exactly (to fp32 rounding).
+
+    The series and squarings run in fp64, as in the models (:func:`block_skew_expm`).
 
     Args:
         generators: (G, ndim, b, b) skew-symmetric generators (G independent blocks, e.g. heads x blocks).
@@ -82,57 +159,7 @@ def linear_skew_expm(generators: torch.Tensor, coords: torch.Tensor) -> torch.Te
     """
     if generators.ndim != 4 or generators.shape[-1] != generators.shape[-2]:
         raise ValueError(f"generators must have shape (G, ndim, b, b), got {tuple(generators.shape)}")
-    if coords.ndim != 2 or coords.shape[1] != generators.shape[1]:
-        raise ValueError(f"coords must have shape (N, ndim={generators.shape[1]}), got {tuple(coords.shape)}")
-    num_blocks, ndim, b, _ = generators.shape
-    with torch.autocast(coords.device.type, enabled=False):
-        if b == 2:  # a 2 x 2 skew generator is a plane rotation: exact closed form
-            angle = coords.float() @ generators[:, :, 1, 0].float().T  # (N, G)
-            cos, sin = angle.cos(), angle.sin()
-            return torch.stack((cos, -sin, sin, cos), dim=-1).view(*angle.shape, 2, 2)
-        # fp64: each squaring doubles the error of the series, fp32 would lose 1e-5 after a few
-        generators, coords = generators.double(), coords.double()
-        # ||sum_a p_a A_a||_2 <= sum_a |p_a| ||A_a||_F: one squaring count s for all tokens and blocks
-        norms = generators.detach().flatten(-2).norm(dim=-1)  # (G, ndim)
-        bound = float((coords.detach().abs() @ norms.T).max()) if len(coords) else 0.0
-        squarings = max(0, math.ceil(math.log2(bound / _THETA))) if bound > _THETA else 0
-        coords = coords / 2**squarings
-
-        levels, parents = _monomials(ndim, _ORDER)
-        # words are stored (G, b, T, b): left-multiplying all T of them by A_a is one (b x b) @ (b x T b) bmm
-        word = torch.eye(b, dtype=coords.dtype, device=coords.device).reshape(1, b, 1, b).repeat(num_blocks, 1, 1, 1)
-        words = [word]
-        for k in range(1, _ORDER + 1):
-            prev = word.reshape(num_blocks, b, -1)
-            word = generators.new_zeros(num_blocks, b, len(levels[k]), b)
-            for axis in range(ndim):
-                # a word of degree k is A_a times a word of degree k - 1 (first letter a)
-                prod = (generators[:, axis] @ prev).view(num_blocks, b, -1, b)
-                parent = torch.tensor(parents[k][axis], device=coords.device)
-                keep = (parent >= 0).nonzero().squeeze(1)
-                word = word.index_add(2, keep, prod.index_select(2, parent[keep]))
-            word = word / k  # 1/k! accumulates level by level
-            words.append(word)
-        table = torch.cat(words, dim=2).permute(2, 0, 1, 3)  # (T, G, b, b)
-
-        exponents = torch.tensor([alpha for level in levels for alpha in level], device=coords.device)  # (T, ndim)
-        powers = coords.unsqueeze(-1) ** torch.arange(_ORDER + 1, device=coords.device)  # (N, ndim, K + 1)
-        monomials = powers.gather(2, exponents.T.unsqueeze(0).expand(len(coords), -1, -1)).prod(1)  # (N, T)
-        rot = (monomials @ table.reshape(table.shape[0], -1)).view(-1, num_blocks, b, b)
-        for _ in range(squarings):
-            rot = _small_matmul(rot, rot)
-    return rot.float()
-
-
-def _small_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b for many tiny matrices as a sum of rank-one broadcast products.
-
-    CPU bmm on thousands of 8 x 8 matrices is slow, and its backward copies every transposed operand.
-    """
-    out = a[..., :, :1] * b[..., :1, :]
-    for j in range(1, a.shape[-1]):
-        out = out + a[..., :, j : j + 1] * b[..., j : j + 1, :]
-    return out
+    return block_skew_expm(generators.unsqueeze(0), coords, torch.float64).squeeze(0)
 
 
 def apply_block_rotation(x: torch.Tensor, rot: torch.Tensor, num_prefix_tokens: int = 0) -> torch.Tensor:
@@ -153,13 +180,18 @@ def apply_block_rotation(x: torch.Tensor, rot: torch.Tensor, num_prefix_tokens: 
             f"rot (num_heads, N, head_dim // b, b, b) = {tuple(rot.shape)} does not match x {tuple(x.shape)} "
             f"with {num_prefix_tokens} prefix tokens"
         )
+    rot = rot.to(x.dtype)
     if num_prefix_tokens:
+        # identity blocks for the prefix: tiny next to x, and the whole sequence stays one product
         eye = torch.eye(b, dtype=rot.dtype, device=rot.device).expand(rot.shape[0], num_prefix_tokens, nblocks, b, b)
         rot = torch.cat((eye, rot), dim=1)
-    cols = rot.to(x.dtype).transpose(-1, -2).contiguous()  # cols[..., j, :] is column j of R
-    blocks = x.unflatten(-1, (nblocks, b))  # (..., heads, tokens, blocks, b)
-    # R x as b broadcast multiply-adds over large tensors: CPU bmm on b x b matrices is slow
-    out = blocks[..., :1] * cols[..., 0, :]
-    for j in range(1, b):
-        out = out + blocks[..., j : j + 1] * cols[..., j, :]
+    rot = rot.expand(heads, -1, -1, -1, -1)
+    lead = x.shape[:-3]
+    n = len(lead)
+    # (..., heads, tokens, blocks, b) -> (heads, tokens, blocks, ..., b): one copy; rows are the images (and q, k)
+    rows = x.unflatten(-1, (nblocks, b)).permute(n, n + 1, n + 2, *range(n), n + 3)
+    rows = rows.reshape(heads * tokens * nblocks, -1, b)
+    # row form of R v: v^T R^T, for every (head, token, block) at once
+    out = torch.bmm(rows, rot.reshape(-1, b, b).transpose(1, 2))
+    out = out.view(heads, tokens, nblocks, *lead, b).permute(*range(3, 3 + n), 0, 1, 2, 3 + n)
     return out.flatten(-2)
