@@ -1,16 +1,21 @@
 """One attention module for all three kinds of position encoding, built on timm's Attention and Block.
 
-A :class:`PositionContext` is built once per forward by the model: the rotary schemes' states (cos/sin for
-every layer) and the bias schemes' states (bucket ids, distances). Each block receives it, the way timm's
-Eva passes ``rope``, and picks its own layer. Attention runs through ``scaled_dot_product_attention`` with
-the summed logit bias as ``attn_mask``; only schemes that add a value term (``needs_probs``) take the
+A :class:`PositionContext` is built once per forward by the model: the rotary schemes' states (frequencies or
+cos/sin tables) and the bias schemes' states (offset buckets, coordinates). Each block receives it, the way
+timm's Eva passes ``rope``, and picks its own layer. Attention runs through ``scaled_dot_product_attention``
+with the summed logit bias as ``attn_mask``; only schemes that add a value term (``needs_probs``) take the
 explicit path.
+
+A dense bias is (B, heads, N, N): 400 MB in fp32 for ViT-S at 1024 px (N = 4097), per block. When it would
+exceed ``PosAttention.bias_chunk_bytes``, attention runs in chunks of query rows: each scheme builds the bias of
+those rows only (``attn_bias(..., rows=)``), and each chunk's softmax is over all keys, so the result is the
+same as the full computation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +42,12 @@ class PositionContext:
 
 class PosAttention(Attention):
     """timm ``Attention`` that rotates q/k and adds logit biases from a :class:`PositionContext`."""
+
+    # bias schemes: query rows per chunk are chosen so that one chunk's (B, heads, rows, N) fp32 bias stays
+    # within this many bytes; attention that fits (e.g. ViT-S at 224 px, batch 8: 7.5 MB) runs in one piece.
+    # 16 MB, not more: at 1024 px 32 MB chunks still left the forward's peak at 1.5-2x the plain ViT's (on
+    # CPU, freed blocks of that size stay resident), 16 MB about 1.1x
+    bias_chunk_bytes: ClassVar[int] = 16 * 2**20
 
     def __init__(self, *args, layer: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -66,34 +77,72 @@ class PosAttention(Attention):
             qk = scheme.apply(qk, state, self.layer)
         q, k = qk.unbind(0)
 
-        bias = attn_mask
-        for scheme, state in pos.bias:
-            term = scheme.attn_bias(q, k, state, self.layer)
-            bias = term if bias is None else bias + term
-        if bias is not None:
-            bias = bias.to(q.dtype)
-
-        if self.fused_attn and not pos.needs_probs:
-            x = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=bias, dropout_p=self.attn_drop.p if self.training else 0.0, is_causal=is_causal
-            )
+        chunk = self.query_chunk_rows(B, N) if pos.bias and not is_causal else N
+        if chunk >= N:
+            x = self._attend(q, k, v, pos, attn_mask, is_causal, None)
         else:
-            attn = (q * self.scale) @ k.transpose(-2, -1)
-            if bias is not None:
-                attn = attn + bias
-            if is_causal:
-                attn = attn.masked_fill(torch.ones(N, N, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
-            attn = self.attn_drop(attn.softmax(dim=-1))
-            x = attn @ v
-            for scheme, state in pos.bias:
-                if scheme.needs_probs:
-                    x = x + scheme.value_term(attn, state, self.layer)
+            # a mask with one row per query is cut like the bias; a broadcast row is shared by every chunk
+            per_row = attn_mask is not None and attn_mask.ndim >= 2 and attn_mask.shape[-2] == N
+            x = torch.cat(
+                [
+                    self._attend(
+                        q[:, :, start : start + chunk],
+                        k,
+                        v,
+                        pos,
+                        attn_mask[..., start : start + chunk, :] if per_row else attn_mask,
+                        False,
+                        slice(start, start + chunk),
+                    )
+                    for start in range(0, N, chunk)
+                ],
+                dim=2,
+            )
 
         x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
         x = self.norm(x)
         if gate is not None:
             x = x * gate
         return self.proj_drop(self.proj(x))
+
+    def query_chunk_rows(self, batch: int, num_tokens: int) -> int:
+        """Query rows per chunk so that a (batch, heads, rows, num_tokens) fp32 bias fits ``bias_chunk_bytes``."""
+        return max(1, self.bias_chunk_bytes // (batch * self.num_heads * num_tokens * 4))
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pos: PositionContext,
+        attn_mask: torch.Tensor | None,
+        is_causal: bool,
+        rows: slice | None,
+    ) -> torch.Tensor:
+        """Attention of the queries ``q`` (all of them, or the query ``rows``) over every key: (B, h, R, head_dim)."""
+        bias = attn_mask
+        for scheme, state in pos.bias:
+            term = scheme.attn_bias(q, k, state, self.layer, rows=rows)
+            bias = term if bias is None else bias + term
+        if bias is not None:
+            bias = bias.to(q.dtype)
+
+        if self.fused_attn and not pos.needs_probs:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, dropout_p=self.attn_drop.p if self.training else 0.0, is_causal=is_causal
+            )
+        attn = (q * self.scale) @ k.transpose(-2, -1)
+        if bias is not None:
+            attn = attn + bias
+        if is_causal:
+            n = q.shape[-2]
+            attn = attn.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        attn = self.attn_drop(attn.softmax(dim=-1))
+        x = attn @ v
+        for scheme, state in pos.bias:
+            if scheme.needs_probs:
+                x = x + scheme.value_term(attn, state, self.layer, rows=rows)
+        return x
 
 
 class PosBlock(Block):

@@ -121,6 +121,11 @@ class BiasPositionEncoding(PositionEncoding, ABC):
     """Adds to attention logits (already divided by sqrt(head_dim)).
 
     ``needs_probs``: the scheme adds a value term from the attention probabilities, so attention runs explicitly.
+
+    At large N attention runs in chunks of query rows (see :class:`~visionpe.attention.PosAttention`): ``attn_bias``
+    and ``value_term`` then get ``rows``, a contiguous slice of the P + N query tokens, and only those rows' q or
+    probabilities, and must return only those rows. ``prepare`` should therefore keep state that grows like N
+    (coordinates, per-offset tables), not like N^2, and build the rows asked for.
     """
 
     kind = "bias"
@@ -128,12 +133,19 @@ class BiasPositionEncoding(PositionEncoding, ABC):
 
     @abstractmethod
     def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> Any:
-        """Per-forward state for a grid (e.g. bucket ids or distances)."""
+        """Per-forward state for a grid (e.g. per-offset bucket ids or coordinates)."""
 
     @abstractmethod
-    def attn_bias(self, q: torch.Tensor, k: torch.Tensor, state: Any, layer: int) -> torch.Tensor:
-        """Additive logits, broadcastable to (B, num_heads, N_total, N_total)."""
+    def attn_bias(
+        self, q: torch.Tensor, k: torch.Tensor, state: Any, layer: int, rows: slice | None = None
+    ) -> torch.Tensor:
+        """Additive logits, broadcastable to (B, num_heads, R, N_total).
 
-    def value_term(self, attn: torch.Tensor, state: Any, layer: int) -> torch.Tensor:
-        """Extra attention output from the probabilities ``attn`` (B, num_heads, N, N)."""
+        ``q`` (B, num_heads, R, head_dim) holds the query ``rows`` (all N_total rows for None, R = N_total); ``k``
+        is always every key.
+        """
+
+    def value_term(self, attn: torch.Tensor, state: Any, layer: int, rows: slice | None = None) -> torch.Tensor:
+        """Extra attention output (B, num_heads, R, head_dim) from the probabilities ``attn`` (B, num_heads, R, N)
+        of the query ``rows`` (all rows for None)."""
         raise RuntimeError(f"{type(self).__name__} sets needs_probs=False and has no value term")

@@ -67,12 +67,14 @@ def test_bias_depends_only_on_offset(variant):
     torch.testing.assert_close(bias[:, 2:, :-1, 2:, :-1], bias[:, :-2, 1:, :-2, 1:])
 
 
-def test_state_is_one_distance_map_and_one_boolean_mask_bias_in_activation_dtype():
+def test_state_is_linear_in_tokens_at_large_grids_bias_in_activation_dtype():
     lh = LookHere(384, 6, depth=12)
     n = 32 * 32 + 1
-    state = lh.prepare((32, 32), 1)
-    assert state.distances.shape == (n, n) and state.distances.dtype == torch.float32
-    assert state.blocked.shape == (6, n, n) and state.blocked.dtype == torch.bool
+    state = lh.prepare((32, 32), 1)  # above full_state_max_tokens: one value per head and grid offset
+    assert state.index is None and state.penalty.shape == (6, 63 * 63 + 1)
+    assert state.penalty.dtype == torch.float32
+    small = lh.prepare((8, 8), 1)  # small grids also cache the (N, N) offset index
+    assert small.index.shape == (65, 65) and small.index.dtype == torch.int32
     assert all(b.numel() <= 12 for b in lh.buffers())  # nothing precomputed per resolution
     q = torch.zeros(1, 6, n, 64, dtype=torch.bfloat16)
     assert lh.attn_bias(q, q, state, 3).dtype == torch.bfloat16

@@ -1,5 +1,6 @@
 """Bias schemes give the same attention when it is computed in query chunks (``rows=``), which bounds the
-bias memory to (h, chunk, N) at large grids."""
+bias memory to (h, chunk, N) at large grids, and the same bias whether their state caches the full (N, N) maps
+(small grids) or expands the rows in use from coordinates (large grids)."""
 
 import pytest
 import torch
@@ -20,26 +21,53 @@ def _attention(scheme, state, q, k, v, layer, rows=None):
     return attn @ v + scheme.value_term(attn, state, layer, **kwargs)
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: IRPE(24, 3, 2, on="qkv", method="cross", shared_heads=False),
-        lambda: IRPE(24, 3, 2, on="qk", mode="bias"),
-        lambda: IRPE(24, 3, 2),
-        lambda: LookHere(24, 3, 2, variant="45"),
-        lambda: Alibi2D(24, 3, 2),
-    ],
-)
-def test_chunked_attention_equals_full(make):
+SCHEMES = [
+    lambda: IRPE(24, 3, 2, on="qkv", method="cross", shared_heads=False),
+    lambda: IRPE(24, 3, 2, on="qk", mode="bias"),
+    lambda: IRPE(24, 3, 2, method="euclidean", on="qkv"),
+    lambda: IRPE(24, 3, 2),
+    lambda: IRPE(24, 3, 2, method="quant", on="kv", num_prefix_tokens=0),
+    lambda: LookHere(24, 3, 2, variant="45"),
+    lambda: LookHere(24, 3, 2, variant="90"),
+    lambda: LookHere(24, 3, 2),
+    lambda: Alibi2D(24, 3, 2),
+]
+
+
+@pytest.mark.parametrize("make", SCHEMES)
+@pytest.mark.parametrize("cached", [True, False])
+@pytest.mark.parametrize("prefix", [0, 1, 2])
+def test_chunked_attention_equals_full(make, cached, prefix):
     torch.manual_seed(0)
     scheme = make()
+    if isinstance(scheme, IRPE) and (prefix > 0) != (scheme.num_prefix_tokens > 0):
+        pytest.skip("iRPE tables are built for a fixed prefix/no-prefix setting")
     for param in scheme.parameters():
         torch.nn.init.normal_(param, std=0.5)
-    state = scheme.prepare((3, 5), 1)
-    q, k, v = (torch.randn(2, 3, 16, 8) for _ in range(3))
-    full = _attention(scheme, state, q, k, v, 1)
-    chunks = [_attention(scheme, state, q, k, v, 1, slice(s, s + 6)) for s in range(0, 16, 6)]
+    n = prefix + 15
+    q, k, v = (torch.randn(2, 3, n, 8) for _ in range(3))
+    full = _attention(scheme, scheme.prepare((3, 5), prefix), q, k, v, 1)  # default: full maps cached
+    scheme.full_state_max_tokens = 1024 if cached else 0
+    state = scheme.prepare((3, 5), prefix)
+    assert (getattr(state, "flat", None) if isinstance(scheme, IRPE) else state.index) is None or cached
+    torch.testing.assert_close(_attention(scheme, state, q, k, v, 1), full, atol=1e-5, rtol=1e-5)
+    chunks = [_attention(scheme, state, q, k, v, 1, slice(s, s + 6)) for s in range(0, n, 6)]
     torch.testing.assert_close(torch.cat(chunks, dim=2), full, atol=1e-5, rtol=1e-5)
+    one_row = [_attention(scheme, state, q, k, v, 1, slice(s, s + 1)) for s in range(n)]
+    torch.testing.assert_close(torch.cat(one_row, dim=2), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("make", SCHEMES)
+def test_row_state_gives_the_exact_bias(make):
+    torch.manual_seed(0)
+    cached, rows = make(), make()
+    rows.load_state_dict(cached.state_dict())
+    rows.full_state_max_tokens = 0
+    grid, prefix = (4, 7), cached.num_prefix_tokens if isinstance(cached, IRPE) else 1
+    n = prefix + 28
+    q, k = torch.randn(1, 3, n, 8), torch.randn(1, 3, n, 8)
+    expected = cached.attn_bias(q, k, cached.prepare(grid, prefix), 1)
+    assert torch.equal(rows.attn_bias(q, k, rows.prepare(grid, prefix), 1), expected)
 
 
 def test_rows_shape_mismatch_raises():

@@ -40,13 +40,15 @@ def test_registered_with_timm():
 def test_rotary_tables_recomputed_not_resampled():
     model = _model("rope_axial", dynamic_img_size=True)
     ctx = model.position_context((20, 24), torch.device("cpu"))
-    cos, _ = ctx.rotary[0][1]
+    scheme, state = ctx.rotary[0]
+    cos, _ = scheme.layer_tables(state, 0)
     assert cos.shape[-2] == 1 + 20 * 24  # built for the new grid, prefix row included
 
 
 def test_prefix_tokens_not_rotated_by_model():
     model = _model("rope_mixed", reg_tokens=2)
-    ((scheme, (cos, sin)),) = model.position_context((14, 14), torch.device("cpu")).rotary
+    ((scheme, state),) = model.position_context((14, 14), torch.device("cpu")).rotary
+    cos, sin = scheme.layer_tables(state, 1)
     assert (cos[..., :3, :] == 1).all() and (sin[..., :3, :] == 0).all()
 
 

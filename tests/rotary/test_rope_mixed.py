@@ -49,5 +49,21 @@ def test_3d_temporal_component_is_non_zero():
 def test_angles_fp32_under_autocast():
     rope = visionpe.create_pos_embed("rope_mixed", dim=128, num_heads=2, depth=1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        cos, sin = rope.prepare(grid_coords((64, 64)))
+        cos, sin = rope.layer_tables(rope.prepare(grid_coords((64, 64))), 0)
     assert cos.dtype == torch.float32 and sin.dtype == torch.float32
+
+
+def test_state_builds_one_layer_table_at_a_time():
+    # per-layer frequencies: prepare keeps coordinates and frequencies, not (depth, heads, N, head_dim) tables
+    from visionpe.rotary.base import LayerAngles
+    from visionpe.rotary.functional import rotary_angles, rotary_tables
+
+    rope = visionpe.create_pos_embed("rope_mixed", dim=128, num_heads=2, depth=3)
+    coords = grid_coords((4, 5))
+    state = rope.prepare(coords, num_prefix_tokens=1)
+    assert isinstance(state, LayerAngles) and state.coords.shape == (20, 2)
+    cos_all, sin_all = rotary_tables(rotary_angles(coords, rope.frequencies()), 1)  # every layer at once
+    for layer in range(3):
+        cos, sin = rope.layer_tables(state, layer)
+        assert cos.shape == (2, 21, 64)
+        assert torch.equal(cos, cos_all[layer]) and torch.equal(sin, sin_all[layer])

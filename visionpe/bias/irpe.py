@@ -7,8 +7,13 @@ ln(gamma/alpha) (beta - alpha))), alpha:beta:gamma = r:2r:8r, applied to the (ro
 methods (euclidean, quant, cross, product). Pairs involving a prefix token read one extra bucket.
 
 Computed bucket-first, without the authors' CUDA op: Z = q R^K is (B, h, N, n_buckets), then b_ij =
-Z[i, I(i,j)] is a gather by the (N, N) bucket map, which is cached per grid. The value term scatter-adds the
-attention probabilities into bucket sums (B, h, N, n_buckets) and multiplies by the value table.
+Z[i, I(i,j)] is a gather by the bucket map. The value term scatter-adds the attention probabilities into bucket
+sums (B, h, N, n_buckets) and multiplies by the value table.
+
+Memory: the per-grid state is the bucket of every offset, (2H - 1)(2W - 1) values; each block gathers the rows
+of the bucket map it needs (all rows, or one chunk of query rows when attention runs in query chunks) through an
+offset index built from coordinate differences, so a large grid never holds an (N, N) map. Small grids
+(``full_state_max_tokens``) cache the full gather map instead, which is cheaper than rebuilding it in every block.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import nn
 from ..base import BiasPositionEncoding
 from ..grid import validate_grid_size
 from ..registry import register_scheme
+from .alibi2d import OffsetState, gather_offsets, offset_state, query_rows
 
 __all__ = [
     "IRPE",
@@ -120,13 +126,18 @@ def irpe_bucket_ids(
     _check_method(method)
     ratio = _check_positive("ratio", ratio)
     _check_prefix(num_prefix_tokens)
+    state = offset_state(grid_size, num_prefix_tokens, device, 0)
+    table = _bucket_table(state, method, ratio)
+    every = range(state.num_tokens)
+    return gather_offsets(table, state.offset_index(every, every)).long()
+
+
+def _bucket_table(state: OffsetState, method: str, ratio: float) -> torch.Tensor:
+    """Bucket of every grid offset, int32 (K + 1,) ((2, K + 1) for cross); entry K: the extra prefix bucket."""
     alpha, beta, gamma = ratio, 2 * ratio, 8 * ratio
     max_id = math.floor(beta)
     side = 2 * max_id + 1
-    height, width = grid_size
-    # buckets of every possible offset (2H-1, 2W-1), then one (N, N) gather: no (N, N, 2) temporaries
-    dy = torch.arange(1 - height, height, device=device)[:, None]
-    dx = torch.arange(1 - width, width, device=device)[None, :]
+    dy, dx = (t.long() for t in state.offsets())  # (2H - 1, 2W - 1): y_i - y_j, x_i - x_j
     if method == "euclidean":
         table = irpe_piecewise_index((dy.square() + dx.square()).double().sqrt().round(), alpha, beta, gamma) + max_id
     elif method == "quant":
@@ -135,21 +146,10 @@ def irpe_bucket_ids(
     else:
         by = irpe_piecewise_index(dy, alpha, beta, gamma) + max_id
         bx = irpe_piecewise_index(dx, alpha, beta, gamma) + max_id
-        if method == "cross":
-            table = torch.stack((by.expand(-1, 2 * width - 1), bx.expand(2 * height - 1, -1) + side))
-        else:
-            table = by * side + bx
-    rows, cols = torch.arange(height, device=device), torch.arange(width, device=device)
-    offset_y = (rows[:, None, None, None] - rows[None, None, :, None]) + height - 1  # (H, 1, H, 1): y_i - y_j
-    offset_x = (cols[None, :, None, None] - cols[None, None, None, :]) + width - 1  # (1, W, 1, W): x_i - x_j
-    n = height * width
-    ids = table[..., offset_y, offset_x].reshape(*table.shape[:-2], n, n)
-    if not num_prefix_tokens:
-        return ids
-    total = num_prefix_tokens + n
-    out = ids.new_full((*table.shape[:-2], total, total), irpe_num_buckets(method, ratio))
-    out[..., num_prefix_tokens:, num_prefix_tokens:] = ids
-    return out
+        table = torch.stack((by, bx + side)) if method == "cross" else by * side + bx
+    table = table.flatten(-2)
+    extra = table.new_full((*table.shape[:-1], 1), irpe_num_buckets(method, ratio))
+    return torch.cat((table, extra), dim=-1).int()
 
 
 def _check_method(method: str) -> None:
@@ -163,15 +163,18 @@ def _check_prefix(num_prefix_tokens: int) -> None:
 
 
 @dataclass
-class IRPEState:
-    """Per-forward iRPE state: the bucket map as gather indices, one (P + N)^2 int64 map.
+class IRPEState(OffsetState):
+    """Per-forward iRPE state for one grid (see :class:`~visionpe.bias.alibi2d.OffsetState`), O(H W) for
+    large grids.
 
-    ``flat[..., i, j] = i * n_buckets + I(i, j)``, shape (P + N, P + N) ((2, P + N, P + N) for cross): the
-    index of Z[..., i, I(i, j)] in Z.flatten(-2) for Z of shape (..., P + N, n_buckets).
+    ``table``: int32 (K + 1,) ((2, K + 1) for cross), the bucket of each grid offset, entry K the extra bucket
+    of prefix pairs. ``flat``, cached for small grids only: ``flat[..., i, j] = i * n_buckets + I(i, j)``,
+    (P + N, P + N) ((2, P + N, P + N) for cross), the index of Z[..., i, I(i, j)] in Z.flatten(-2) for Z of
+    shape (..., P + N, n_buckets).
     """
 
-    flat: torch.Tensor
-    num_tokens: int
+    table: torch.Tensor | None = None
+    flat: torch.Tensor | None = None
 
 
 @register_scheme("irpe")
@@ -192,6 +195,9 @@ class IRPE(BiasPositionEncoding):
     """
 
     ndims = (2,)
+    # grids up to this many tokens cache their full (P + N)^2 int32 gather map (4 MB at 1024 tokens); larger
+    # grids gather the rows each block needs from the offset table
+    full_state_max_tokens: int = 1024
 
     def __init__(
         self,
@@ -237,7 +243,7 @@ class IRPE(BiasPositionEncoding):
         self._cache: dict[tuple, IRPEState] = {}
 
     def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> IRPEState:
-        """Bucket map for ``grid_size``, cached per (grid, prefix count, device)."""
+        """Offset buckets for ``grid_size`` (and the full map for small grids), cached per (grid, prefix, device)."""
         grid_size = self.check_grid(grid_size)
         _check_prefix(num_prefix_tokens)
         if (num_prefix_tokens > 0) != (self.num_prefix_tokens > 0):
@@ -245,13 +251,16 @@ class IRPE(BiasPositionEncoding):
                 f"iRPE tables were built for num_prefix_tokens={self.num_prefix_tokens} "
                 f"({self.num_buckets} buckets), got num_prefix_tokens={num_prefix_tokens}"
             )
-        key = (grid_size, num_prefix_tokens, str(torch.device(device) if device is not None else "cpu"))
+        full = num_prefix_tokens + math.prod(grid_size) <= self.full_state_max_tokens
+        key = (grid_size, num_prefix_tokens, str(torch.device(device) if device is not None else "cpu"), full)
         state = self._cache.get(key)
         if state is None:
-            flat = irpe_bucket_ids(grid_size, self.method, self.ratio, num_prefix_tokens, device)
-            n = flat.shape[-1]
-            flat += torch.arange(n, device=flat.device)[:, None] * self.num_buckets
-            state = IRPEState(flat=flat, num_tokens=n)
+            base = offset_state(grid_size, num_prefix_tokens, device, 0)
+            state = IRPEState(base.grid_size, base.num_prefix_tokens, base.device)
+            state.table = _bucket_table(state, self.method, self.ratio)
+            if full:
+                every = range(state.num_tokens)
+                state.flat = self._flat_ids(state, every, every)
             if len(self._cache) >= _MAX_CACHED_GRIDS:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = state
@@ -261,21 +270,19 @@ class IRPE(BiasPositionEncoding):
         """values (..., M, n_b), flat (M, K) -> (..., M, K): values.flatten(-2)[..., flat] (summed for cross)."""
         flat_values = values.flatten(-2)
         if self.method == "cross":
-            return flat_values[..., flat[0]] + flat_values[..., flat[1]]
-        return flat_values[..., flat]
+            return gather_offsets(flat_values, flat[0]) + gather_offsets(flat_values, flat[1])
+        return gather_offsets(flat_values, flat)
 
-    def _row_ids(self, state: IRPEState, rows: slice | None) -> torch.Tensor:
-        """``state.flat`` for the query ``rows``, re-based so that row ``rows.start`` is row 0 of Z."""
-        if rows is None:
-            return state.flat
-        start = range(state.num_tokens)[rows].start if len(range(state.num_tokens)[rows]) else 0
-        return state.flat[..., rows, :] - start * self.num_buckets
+    def _flat_ids(self, state: IRPEState, rows: range, cols: range) -> torch.Tensor:
+        """Gather indices (..., R, C) for query tokens ``rows`` and key tokens ``cols``: the rows of ``state.flat``,
+        re-based so that token ``rows.start`` is row 0 of Z."""
+        if state.flat is not None:
+            return state.flat[..., rows.start : rows.stop, cols.start : cols.stop] - rows.start * self.num_buckets
+        ids = gather_offsets(state.table, state.offset_index(rows, cols))
+        return ids.add_(torch.arange(len(rows), device=ids.device, dtype=ids.dtype)[:, None] * self.num_buckets)
 
     def _check_rows(self, x: torch.Tensor, state: IRPEState, name: str, rows: slice | None) -> int:
-        n = state.num_tokens
-        if rows is not None and (not isinstance(rows, slice) or rows.step not in (None, 1)):
-            raise ValueError(f"rows must be a contiguous slice of query rows, got {rows!r}")
-        expected = n if rows is None else len(range(n)[rows])
+        expected = len(query_rows(rows, state.num_tokens))
         if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[-2] != expected or x.shape[-1] != self.head_dim:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(
@@ -293,7 +300,8 @@ class IRPE(BiasPositionEncoding):
         """
         num_rows = self._check_rows(q, state, "q", rows)
         self._check_rows(k, state, "k", None)
-        flat = self._row_ids(state, rows)
+        selected, every = query_rows(rows, state.num_tokens), range(state.num_tokens)
+        flat = self._flat_ids(state, selected, every)
         bias = None
         scale = self.head_dim**-0.5  # (q / sqrt(d)) R = q (R / sqrt(d)): scale the small table, not q
         for target in self.on.replace("v", ""):
@@ -304,7 +312,7 @@ class IRPE(BiasPositionEncoding):
                 term = self._lookup(q @ (table * scale).to(q.dtype), flat)
             else:
                 # the query-side term is a key-side lookup, transposed (as the reference code does)
-                flat_t = state.flat if rows is None else state.flat[..., rows]
+                flat_t = self._flat_ids(state, every, selected)
                 term = self._lookup(k @ (table * scale).to(k.dtype), flat_t).transpose(-2, -1)
             bias = term if bias is None else bias + term
         if bias is None:  # values only: no logit term
@@ -319,13 +327,12 @@ class IRPE(BiasPositionEncoding):
         if "v" not in self.on:
             return super().value_term(attn, state, layer)
         n = state.num_tokens
-        if rows is not None and (not isinstance(rows, slice) or rows.step not in (None, 1)):
-            raise ValueError(f"rows must be a contiguous slice of query rows, got {rows!r}")
-        num_rows = n if rows is None else len(range(n)[rows])
+        selected = query_rows(rows, n)
+        num_rows = len(selected)
         if not isinstance(attn, torch.Tensor) or attn.ndim != 4 or attn.shape[-2:] != (num_rows, n):
             shape = tuple(attn.shape) if isinstance(attn, torch.Tensor) else type(attn).__name__
             raise ValueError(f"attn must have shape (B, num_heads, {num_rows}, {n}), got {shape}")
-        flat = self._row_ids(state, rows)
+        flat = self._flat_ids(state, selected, range(n))
         flat_attn = attn.flatten(-2)
         sums = attn.new_zeros(*attn.shape[:2], num_rows * self.num_buckets)
         for flat_ids in flat if self.method == "cross" else (flat,):

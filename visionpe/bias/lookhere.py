@@ -6,9 +6,11 @@ of view from i, +inf otherwise; no PE is added. Directed heads look in one direc
 LH-90 quadrants, LH-45 octants), undirected heads see everything. s_l = linspace(1.5, 0.5, depth); directed
 s_h = 1/2 (cardinal) or 1/4 (intercardinal). Prefix rows and columns are 0.
 
-Memory: per forward, one (P + N, P + N) fp32 distance map and one (h, P + N, P + N) boolean view mask (a
-quarter of an fp32 bias); each block builds its scaled bias from them in the activation dtype (optionally only
-for a chunk of query rows). Nothing is precomputed per layer or per resolution.
+Memory: whether j is in head h's view from i, and ||p_i - p_j||, depend only on the offset p_i - p_j, so the
+per-forward state is one (h, (2H - 1)(2W - 1)) table: the distance, or +inf outside the view. Each block scales
+it by its slopes and gathers the bias of the query rows it needs (all rows, or one chunk when attention runs in
+query chunks) in the activation dtype, so a large grid never holds an (N, N) map. Small grids
+(``full_state_max_tokens``) cache the full (N, N) offset index. Nothing is precomputed per layer or resolution.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from ..base import BiasPositionEncoding
 from ..grid import grid_coords, validate_grid_size
 from ..registry import register_scheme
-from .alibi2d import grid_distances
+from .alibi2d import OffsetState, distance_state, gather_offsets, query_rows
 
 __all__ = ["LookHere", "LookHereState", "LOOKHERE_VARIANTS", "lookhere_heads", "lookhere_fov_masks"]
 
@@ -137,15 +139,14 @@ def _check_positive(name: str, value: float) -> float:
 
 
 @dataclass
-class LookHereState:
-    """Per-forward LookHere state for one grid.
+class LookHereState(OffsetState):
+    """Per-forward LookHere state for one grid (see :class:`~visionpe.bias.alibi2d.OffsetState`).
 
-    ``distances``: fp32 (P + N, P + N), ||p_i - p_j|| on ``index`` coordinates, 0 on prefix rows/columns.
-    ``blocked``: bool (h, P + N, P + N), True where key j is outside head h's view from query i.
+    ``penalty``: fp32 (h, K + 1), per grid offset ||p_i - p_j|| on ``index`` coordinates, or +inf where the key
+    is outside head h's view from the query; 0 for pairs that involve a prefix token.
     """
 
-    distances: torch.Tensor
-    blocked: torch.Tensor
+    penalty: torch.Tensor | None = None
 
 
 @register_scheme("lookhere")
@@ -162,6 +163,8 @@ class LookHere(BiasPositionEncoding):
     """
 
     ndims = (2,)
+    # grids up to this many tokens cache their full int32 offset index per forward (4 MB at 1024 tokens)
+    full_state_max_tokens: int = 1024
 
     def __init__(
         self,
@@ -185,28 +188,24 @@ class LookHere(BiasPositionEncoding):
         self.fov = {"180": 180.0, "90": 90.0, "45": 45.0}[variant]
 
     def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> LookHereState:
-        """Distances and view masks for ``grid_size`` (prefix tokens see and are seen by every token)."""
+        """Per-offset penalties for ``grid_size`` (prefix tokens see and are seen by every token)."""
         grid_size = self.check_grid(grid_size)
-        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
-            raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
         device = torch.device(device) if device is not None else self.head_slopes.device
-        distances = grid_distances(grid_size, num_prefix_tokens, device)
-        dy, dx = _offsets(grid_size, device)
-        p, total = num_prefix_tokens, distances.shape[0]
-        blocked = torch.zeros(len(self.directions), total, total, dtype=torch.bool, device=device)
-        for h, direction in enumerate(self.directions):
-            if direction is not None:
-                blocked[h, p:, p:] = ~_fov_mask(dy, dx, direction, self.fov)
-        return LookHereState(distances=distances, blocked=blocked)
+        base = distance_state(grid_size, num_prefix_tokens, device, self.full_state_max_tokens)
+        # the table's offsets are p_i - p_j; a view is defined on p_j - p_i
+        dy, dx = (-t for t in base.offsets())
+        views = [_fov_mask(dy, dx, d, self.fov).flatten() for d in self.directions]
+        visible = torch.cat((torch.stack(views), views[0].new_ones(len(views), 1)), dim=1)  # prefix: visible
+        penalty = base.table.expand(len(views), -1).masked_fill(~visible, float("inf"))
+        return LookHereState(base.grid_size, base.num_prefix_tokens, base.device, base.index, penalty)
 
     def attn_bias(
         self, q: torch.Tensor, k: torch.Tensor, state: LookHereState, layer: int, rows: slice | None = None
     ) -> torch.Tensor:
         """-M^l for block ``layer``: ``(1, h, R, P + N)`` in the dtype of q; R = P + N or the query ``rows``."""
-        heads, n = state.blocked.shape[0], state.distances.shape[-1]
-        if rows is not None and (not isinstance(rows, slice) or rows.step not in (None, 1)):
-            raise ValueError(f"rows must be a contiguous slice of query rows, got {rows!r}")
-        num_rows = n if rows is None else len(range(n)[rows])
+        heads, n = len(self.directions), state.num_tokens
+        selected = query_rows(rows, n)
+        num_rows = len(selected)
         if q.shape[-2] != num_rows or k.shape[-2] != n or q.shape[1] != heads:
             raise ValueError(
                 f"q and k must have shape (B, {heads}, {num_rows}, head_dim) and "
@@ -214,8 +213,8 @@ class LookHere(BiasPositionEncoding):
             )
         if not 0 <= layer < self.layer_slopes.numel():
             raise ValueError(f"layer must be in [0, {self.layer_slopes.numel()}), got {layer}")
-        distances = state.distances if rows is None else state.distances[rows]
-        blocked = state.blocked if rows is None else state.blocked[:, rows]
         slopes = (-self.global_slope * self.layer_slopes[layer] * self.head_slopes).to(q.dtype)
-        bias = distances.to(q.dtype)[None] * slopes[:, None, None]
-        return bias.masked_fill_(blocked, float("-inf"))[None]
+        # scale the small table, then gather: the same products as scaling gathered distances; outside the
+        # view +inf times a negative slope is -inf
+        table = state.penalty.to(q.dtype) * slopes[:, None]
+        return gather_offsets(table, state.offset_index(selected, range(n)))[None]

@@ -1,12 +1,19 @@
 """Base class for rotary schemes whose angle is linear in position: phi_j(p) = sum_a p_a * F[a, j].
 
 Extrapolation-time scaling (SCHEMES.md A13: PI, NTK-aware, YaRN) acts on F per axis, see :mod:`.scaling`.
+
+Memory: cos/sin tables are (heads, N, head_dim) per layer, 6 MB each for ViT-S at 1024 px (N = 4097); all
+layers at once would be 300 MB. Schemes with one frequency set for every layer (RoPE-Axial) build their single
+table once per forward; schemes with per-layer frequencies (RoPE-Mixed, STRING) keep the coordinates and
+frequencies in the state and build each layer's table when that layer applies it, so only one layer's table
+(plus those autograd keeps for backward) exists at a time.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -14,13 +21,30 @@ from ..base import RotaryPositionEncoding
 from .functional import apply_rotary, rotary_angles, rotary_tables
 from .scaling import Extrapolation, scale_frequencies, yarn_attention_factor
 
-__all__ = ["LinearRotary"]
+__all__ = ["LinearRotary", "LayerAngles"]
+
+
+@dataclass(frozen=True)
+class LayerAngles:
+    """Rotary state of a scheme with per-layer frequencies: each layer's cos/sin are built when it applies them.
+
+    ``coords`` (N, ndim) patch coordinates, ``freqs`` (depth, num_heads | 1, ndim, head_dim // 2) frequencies
+    after extrapolation scaling, ``mscale`` the YaRN multiplier of the tables; ``LinearRotary.layer_tables``
+    builds one layer's tables from it.
+    """
+
+    coords: torch.Tensor
+    freqs: torch.Tensor
+    num_prefix_tokens: int
+    mscale: float
 
 
 class LinearRotary(RotaryPositionEncoding, Extrapolation):
     """Subclasses implement :meth:`frequencies`, returning (depth | 1, num_heads | 1, ndim, head_dim // 2).
 
-    ``prepare`` builds cos/sin for every layer at once (one fp32 pass per forward); ``apply`` picks a layer.
+    ``prepare`` returns the (1, num_heads | 1, P + N, head_dim) cos/sin tables when one frequency set serves
+    every layer, else a :class:`LayerAngles` from which ``apply`` builds the layer's tables (see the module
+    docstring for why).
     With ``extrapolation`` set, ``prepare`` rescales the frequencies for the current ``grid_size`` relative to
     the training grid (``grid_size`` at construction); the default ``"none"`` leaves them untouched.
     """
@@ -70,18 +94,36 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
 
     def prepare(
         self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor] | LayerAngles:
         freqs, mscale = self.scaled_frequencies(grid_size)
-        cos, sin = rotary_tables(rotary_angles(coords, freqs), num_prefix_tokens)
-        if mscale != 1.0:
-            # YaRN's temperature: every row (prefix included) so all logits scale alike
-            cos, sin = cos * mscale, sin * mscale
-        return cos, sin
+        if freqs.shape[0] > 1:
+            return LayerAngles(coords, freqs, num_prefix_tokens, mscale)
+        return _tables(coords, freqs, num_prefix_tokens, mscale)
 
-    def apply(self, qk: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], layer: int) -> torch.Tensor:
+    def layer_tables(
+        self, state: tuple[torch.Tensor, torch.Tensor] | LayerAngles, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (num_heads | 1, P + N, head_dim) of block ``layer`` from a ``prepare`` state."""
+        if isinstance(state, LayerAngles):
+            return _tables(state.coords, state.freqs[layer], state.num_prefix_tokens, state.mscale)
         cos, sin = state
         if cos.shape[0] > 1:
-            cos, sin = cos[layer], sin[layer]
-        else:
-            cos, sin = cos[0], sin[0]
+            return cos[layer], sin[layer]
+        return cos[0], sin[0]
+
+    def apply(
+        self, qk: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | LayerAngles, layer: int
+    ) -> torch.Tensor:
+        cos, sin = self.layer_tables(state, layer)
         return apply_rotary(qk, cos, sin)
+
+
+def _tables(
+    coords: torch.Tensor, freqs: torch.Tensor, num_prefix_tokens: int, mscale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (..., P + N, head_dim) for frequencies (..., ndim, head_dim // 2)."""
+    cos, sin = rotary_tables(rotary_angles(coords, freqs), num_prefix_tokens)
+    if mscale != 1.0:
+        # YaRN's temperature: every row (prefix included) so all logits scale alike
+        cos, sin = cos * mscale, sin * mscale
+    return cos, sin

@@ -59,28 +59,27 @@ class StringBase(LinearRotary):
         """Orthogonal matrix Q with R(r) = Q^T RoPE(r) P, or None when Q = I (``rotate`` applies Q^T)."""
         return None
 
-    def prepare(
-        self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        cos, sin = super().prepare(coords, num_prefix_tokens, grid_size)
+    def prepare(self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None):
+        """(RoPE state of :meth:`LinearRotary.prepare`, P for every layer or None once folded)."""
+        rotary = super().prepare(coords, num_prefix_tokens, grid_size)
         basis = None if bool(self.folded) else self.string_basis()
-        return cos, sin, basis
+        return rotary, basis
 
     def apply(self, qk: torch.Tensor, state, layer: int) -> torch.Tensor:
-        cos, sin, basis = state
+        rotary, basis = state
         if basis is not None:
             basis = basis[layer] if basis.shape[0] > 1 else basis[0]
             qk = qk @ basis.to(qk.dtype).transpose(-1, -2)
-        return super().apply(qk, (cos, sin), layer)
+        return super().apply(qk, rotary, layer)
 
     def rotate(self, x: torch.Tensor, coords: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """R(r) x for ``x`` (B, num_heads, N, head_dim) at ``coords`` (N, ndim), folded or not."""
         if not isinstance(x, torch.Tensor) or x.ndim != 4:
             raise ValueError(f"x must be a (B, num_heads, N, head_dim) tensor, got {getattr(x, 'shape', type(x))}")
-        cos, sin = LinearRotary.prepare(self, _checked(self, x, coords), 0)
+        rotary = LinearRotary.prepare(self, _checked(self, x, coords), 0)
         basis = self.string_basis()
         basis = basis[layer] if basis.shape[0] > 1 else basis[0]
-        out = LinearRotary.apply(self, x @ basis.to(x.dtype).transpose(-1, -2), (cos, sin), layer)
+        out = LinearRotary.apply(self, x @ basis.to(x.dtype).transpose(-1, -2), rotary, layer)
         out_basis = self.rotation_output_basis()
         return out if out_basis is None else out @ out_basis.to(x.dtype)
 

@@ -1,0 +1,57 @@
+"""Query-chunked attention (large N with bias schemes) equals the one-piece computation, forward and backward."""
+
+import pytest
+import timm
+import torch
+
+import visionpe  # noqa: F401  (registers the models)
+from visionpe.attention import PosAttention
+
+CASES = [
+    ("irpe", {}),
+    ("irpe", {"on": "qkv", "method": "cross"}),  # value term: the explicit attention path
+    ("irpe", {"mode": "bias", "on": "qk", "method": "euclidean"}),
+    ("lookhere", {"variant": "45"}),
+    ("alibi2d", {}),
+    (["rope_mixed", "alibi2d"], {}),
+]
+
+
+def _loss_and_grads(model, images):
+    model.zero_grad(set_to_none=True)
+    out = model(images)
+    out.square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name, kwargs", CASES)
+def test_chunked_attention_equals_unchunked(name, kwargs, monkeypatch):
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "visionpe_vit_tiny_patch16_224", pos_embed=name, pos_embed_kwargs=kwargs, depth=2, dynamic_img_size=True
+    )
+    for scheme in model.pos_schemes.values():
+        for param in scheme.parameters():
+            torch.nn.init.normal_(param, std=0.2)  # position tables start at zero: make them matter
+    images = torch.randn(2, 3, 64, 80)  # 4 x 5 patches + cls = 21 tokens
+    full, full_grads = _loss_and_grads(model, images)
+
+    # chunks of 2 rows: the last chunk is partial, and the first holds the cls row and a patch row
+    rows = 2
+    monkeypatch.setattr(PosAttention, "bias_chunk_bytes", rows * 2 * model.blocks[0].attn.num_heads * 21 * 4)
+    assert model.blocks[0].attn.query_chunk_rows(2, 21) == rows
+    for scheme in model.pos_schemes.values():
+        if hasattr(scheme, "full_state_max_tokens"):
+            monkeypatch.setattr(scheme, "full_state_max_tokens", 0)  # build rows from coordinates, as at 1024 px
+    chunked, chunked_grads = _loss_and_grads(model, images)
+
+    torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
+    assert chunked_grads.keys() == full_grads.keys()
+    for key, grad in full_grads.items():
+        torch.testing.assert_close(chunked_grads[key], grad, atol=1e-5, rtol=1e-4, msg=key)
+
+
+def test_small_attention_is_not_chunked():
+    attn = timm.create_model("visionpe_vit_small_patch16_224", pos_embed="irpe", depth=1).blocks[0].attn
+    assert attn.query_chunk_rows(8, 197) >= 197  # 224 px, batch 8: one piece, no speed cost
+    assert attn.query_chunk_rows(1, 4097) < 4097  # 1024 px: chunked
