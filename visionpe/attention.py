@@ -65,17 +65,21 @@ class PosAttention(Attention):
         B, N, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        if pos.rotary and isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
-            # split (not slice or unbind): its backward is one cat, without zero-filled gradient buffers
-            qk, v = qkv.split([2, 1])
-            v = v.squeeze(0)
-        else:
+        if not pos.rotary:
             q, k, v = qkv.unbind(0)
-            qk = torch.stack((self.q_norm(q), self.k_norm(k)))
-        # q and k rotate together: one pass over both per scheme
-        for scheme, state in pos.rotary:
-            qk = scheme.apply(qk, state, self.layer)
-        q, k = qk.unbind(0)
+            q, k = self.q_norm(q), self.k_norm(k)
+        else:
+            if isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
+                # split (not slice or unbind): its backward is one cat, without zero-filled gradient buffers
+                qk, v = qkv.split([2, 1])
+                v = v.squeeze(0)
+            else:
+                q, k, v = qkv.unbind(0)
+                qk = torch.stack((self.q_norm(q), self.k_norm(k)))
+            # q and k rotate together: one pass over both per scheme
+            for scheme, state in pos.rotary:
+                qk = scheme.apply(qk, state, self.layer)
+            q, k = qk.unbind(0)
 
         chunk = self.query_chunk_rows(B, N) if pos.bias and not is_causal else N
         if chunk >= N:
