@@ -156,3 +156,16 @@ def test_forward_intermediates_match_forward_features():
     assert only[0][0].shape == (1, 14 * 16, 64) and only[0][1].shape == (1, 1, 64)
     with pytest.raises(ValueError, match="output_fmt"):
         model.forward_intermediates(x, output_fmt="NHWC")
+
+
+def test_rotary_with_qk_norm_matches_manual_rotation():
+    model = _model("rope_axial", qk_norm=True).eval()
+    attn = model.blocks[0].attn
+    x = torch.randn(1, 1 + 196, 64)
+    ctx = model.position_context((14, 14), torch.device("cpu"))
+    q, k, v = attn.qkv(x).reshape(1, 197, 3, 2, 32).permute(2, 0, 3, 1, 4).unbind(0)
+    scheme, state = ctx.rotary[0]
+    qk = scheme.apply(torch.stack((attn.q_norm(q), attn.k_norm(k))), state, 0)
+    expected = torch.nn.functional.scaled_dot_product_attention(qk[0], qk[1], v)
+    expected = attn.proj(expected.transpose(1, 2).reshape(1, 197, 64))
+    assert torch.allclose(attn(x, pos=ctx), expected, atol=1e-5)
