@@ -1,13 +1,14 @@
 import math
 
 import pytest
-import timm
 import torch
 
 import visionpe
 from visionpe.grid import grid_coords
 from visionpe.rotary.liere import LieRE
 from visionpe.rotary.skew_exp import apply_block_rotation, block_skew_expm, linear_skew_expm, skew_from_params
+
+from ..model_checks import check_forward_backward
 
 
 def _scores(scheme, coords, q, k):
@@ -114,21 +115,7 @@ def test_video_3d():
 @pytest.mark.parametrize("name", ["liere"])
 @pytest.mark.parametrize("size", [(224, 224), (384, 384), (160, 288)])
 def test_model_forward_backward(name, size):
-    model = timm.create_model(
-        "visionpe_vit_tiny_patch16_224", pos_embed=name, depth=2, embed_dim=64, num_heads=2, dynamic_img_size=True
-    )
-    images = torch.randn(1, 3, *size)
-    # fp32 at every size, bf16 autocast at the non-square one (keeps the suite short on CPU)
-    for autocast in (False, True) if size[0] != size[1] else (False,):
-        model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = model(images)
-        assert out.shape == (1, 1000) and torch.isfinite(out).all()
-        out.float().sum().backward()
-        for pname, param in model.pos_schemes.named_parameters():
-            if param.requires_grad:
-                assert param.grad is not None and torch.isfinite(param.grad).all(), pname
-                assert param.grad.abs().sum() > 0, pname
+    check_forward_backward(name, size)
 
 
 def test_block_layout_matches_linear_skew_expm():

@@ -8,6 +8,8 @@ from visionpe.rotary.rope_axial import RopeAxial
 from visionpe.rotary.string_cayley import cayley_orthogonal, fold_string_
 from visionpe.rotary.string_circulant import circulant_generator, circulant_string_fft, fourier_basis
 
+from ..model_checks import check_forward_backward
+
 SCHEMES = ["string_cayley", "string_circulant"]
 
 
@@ -136,18 +138,4 @@ def test_bad_input(name):
 @pytest.mark.parametrize("name", ["string_cayley", "string_circulant"])
 @pytest.mark.parametrize("size", [(224, 224), (384, 384), (160, 288)])
 def test_model_forward_backward(name, size):
-    model = timm.create_model(
-        "visionpe_vit_tiny_patch16_224", pos_embed=name, depth=2, embed_dim=64, num_heads=2, dynamic_img_size=True
-    )
-    images = torch.randn(1, 3, *size)
-    # fp32 at every size, bf16 autocast at the non-square one (keeps the suite short on CPU)
-    for autocast in (False, True) if size[0] != size[1] else (False,):
-        model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = model(images)
-        assert out.shape == (1, 1000) and torch.isfinite(out).all()
-        out.float().sum().backward()
-        for pname, param in model.pos_schemes.named_parameters():
-            if param.requires_grad:
-                assert param.grad is not None and torch.isfinite(param.grad).all(), pname
-                assert param.grad.abs().sum() > 0, pname
+    check_forward_backward(name, size)

@@ -1,0 +1,23 @@
+"""Checks shared by the scheme tests: a scheme inside the timm model."""
+
+import timm
+import torch
+
+
+def check_forward_backward(name: str, size: tuple[int, int]) -> None:
+    """Depth-2 tiny ViT with ``name``: finite outputs and non-zero finite gradients on every position parameter,
+    in fp32 at every size and under bf16 autocast at non-square sizes (keeps the suite short on CPU)."""
+    model = timm.create_model(
+        "visionpe_vit_tiny_patch16_224", pos_embed=name, depth=2, embed_dim=64, num_heads=2, dynamic_img_size=True
+    )
+    images = torch.randn(1, 3, *size)
+    for autocast in (False, True) if size[0] != size[1] else (False,):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(images)
+        assert out.shape == (1, 1000) and torch.isfinite(out).all()
+        out.float().sum().backward()
+        for pname, param in model.pos_schemes.named_parameters():
+            if param.requires_grad:
+                assert param.grad is not None and torch.isfinite(param.grad).all(), pname
+                assert param.grad.abs().sum() > 0, pname
