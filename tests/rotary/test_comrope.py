@@ -106,3 +106,20 @@ def test_per_value_rotations_equal_per_token_exponentials(cls, block_size, ndim,
         grads = [torch.autograd.grad((rot * weights).sum(), list(scheme.parameters())) for rot in (fast, slow)]
         for g_fast, g_slow in zip(*grads, strict=True):
             assert torch.allclose(g_fast, g_slow, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize("rotate_prefix", [False, True])
+def test_chunked_no_grad_apply_equals_whole(monkeypatch, cls, rotate_prefix):
+    # without autograd, apply gathers and applies the rotations a few tokens at a time: same result as the whole
+    scheme = cls(128, 2, depth=2, rotate_prefix=rotate_prefix)
+    coords, prefix = scheme.prepare(grid_coords((5, 7), mode="normalized"), num_prefix_tokens=1)
+    qk = torch.randn(2, 3, 2, 36, 64)
+    whole = scheme.apply(qk, (coords, prefix), 1)  # grad enabled: the whole stack at once
+    monkeypatch.setattr("visionpe.rotary.lie_base._CHUNK_TOKENS", 8)
+    with torch.no_grad():
+        chunked = scheme.apply(qk, (coords, prefix), 1)
+        parts = scheme.rotation_chunks(coords, 1)
+        rot = torch.cat([parts(start, min(start + 8, len(coords))) for start in range(0, len(coords), 8)], 1)
+    assert torch.allclose(chunked, whole, atol=1e-6)
+    assert torch.allclose(rot, scheme.rotations(coords, 1), atol=1e-7)

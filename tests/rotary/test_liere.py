@@ -6,7 +6,13 @@ import torch
 import visionpe
 from visionpe.grid import grid_coords
 from visionpe.rotary.liere import LieRE
-from visionpe.rotary.skew_exp import apply_block_rotation, block_skew_expm, linear_skew_expm, skew_from_params
+from visionpe.rotary.skew_exp import (
+    apply_block_rotation,
+    block_skew_expm,
+    block_skew_expm_chunks,
+    linear_skew_expm,
+    skew_from_params,
+)
 
 from ..model_checks import check_forward_backward
 
@@ -142,3 +148,28 @@ def test_apply_block_rotation_equals_dense_product(prefix, heads_rot):
     assert torch.equal(out[..., :prefix, :], qk[..., :prefix, :])
     low = apply_block_rotation(qk.bfloat16(), rot, prefix)
     assert low.dtype == torch.bfloat16 and torch.allclose(low.float(), expected, atol=0.1)
+
+
+@pytest.mark.parametrize("block_size", [2, 8])
+@pytest.mark.parametrize("prefix", [0, 1])
+def test_chunked_no_grad_apply_equals_whole(monkeypatch, block_size, prefix):
+    # without autograd, apply builds and applies the rotations a few tokens at a time: same result as the whole
+    scheme = LieRE(128, 2, depth=2, block_size=block_size, init_scale=1.0)
+    state = scheme.prepare(grid_coords((5, 7)), num_prefix_tokens=prefix)
+    qk = torch.randn(2, 3, 2, prefix + 35, 64)
+    whole = apply_block_rotation(qk, scheme.rotations(state[0], 1), prefix)
+    monkeypatch.setattr("visionpe.rotary.lie_base._CHUNK_TOKENS", 8)
+    with torch.no_grad():
+        chunked = scheme.apply(qk, state, 1)
+    assert torch.allclose(chunked, whole, atol=1e-6)
+    assert torch.equal(chunked[..., :prefix, :], qk[..., :prefix, :])
+
+
+def test_block_skew_expm_chunks_equal_slices():
+    # the squaring count comes from all tokens, so a chunk equals the slice of the whole even far from the origin
+    gen = skew_from_params(torch.rand(2, 3, 2, 28), 8)
+    coords = grid_coords((6, 6)) * 3
+    whole = block_skew_expm(gen, coords)
+    build = block_skew_expm_chunks(gen, coords)
+    for start, stop in ((0, 5), (5, 36), (30, 31)):
+        assert torch.allclose(build(start, stop), whole[:, start:stop], atol=1e-6)

@@ -15,7 +15,7 @@ its blocks from that small table (:meth:`ComRoPEAP.rotations`); gradients flow t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -125,6 +125,9 @@ class ComRoPEAP(ComRoPEBase):
         return self.skew_blocks(layer).unsqueeze(2) * self.axis_mask[:, :, None, None]
 
     def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
+        return self.rotation_chunks(coords, layer)(0, len(coords))
+
+    def rotation_chunks(self, coords: torch.Tensor, layer: int) -> Callable[[int, int], torch.Tensor]:
         skew = self.skew_blocks(layer)  # (h, m, b, b)
         heads, blocks, b = skew.shape[0], self.num_blocks, self.block_size
         tables, offsets, index = [], 0, torch.empty(len(coords), blocks, dtype=torch.long, device=coords.device)
@@ -137,5 +140,10 @@ class ComRoPEAP(ComRoPEBase):
             # token n, block own[k] reads row inverse[n] * m_a + k of this axis' table
             index[:, own] = offsets + inverse[:, None] * len(own) + torch.arange(len(own), device=coords.device)
             offsets += table.shape[1] * table.shape[2]
-        # one gather builds every token's blocks, already in the (h, N, m) layout the product reads
-        return torch.cat(tables, 1).index_select(1, index.flatten()).view(heads, len(coords), blocks, b, b)
+        table = torch.cat(tables, 1)
+
+        def gather(start: int, stop: int) -> torch.Tensor:
+            # one gather builds every token's blocks, already in the (h, n, m) layout the product reads
+            return table.index_select(1, index[start:stop].flatten()).view(heads, stop - start, blocks, b, b)
+
+        return gather

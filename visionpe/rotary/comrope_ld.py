@@ -7,13 +7,14 @@ P: (h, m, b, b) ~ N(0, init_std^2) per layer; theta: (n_axes, m) ~ N(0, 1) per l
 Positions and prefix handling as ComRoPE-AP (:mod:`.comrope_ap`).
 
 Cost: the terms of the exponent commute, so exp(sum_i theta_ij x_i S_j) = prod_i exp(theta_ij x_i S_j): one
-exponential per distinct value of each coordinate, gathered per token, then one b x b product per block and
-extra axis (:meth:`ComRoPELD.rotations`) instead of one exponential per token; gradients flow exactly.
+exponential per distinct value of each coordinate (all axes in one series call), gathered per token, then one
+b x b product per block and extra axis (:meth:`ComRoPELD.rotations`) instead of one exponential per token;
+gradients flow exactly. Without autograd the gather and product run by token chunks (:meth:`rotation_chunks`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -60,13 +61,24 @@ class ComRoPELD(ComRoPEBase):
         return self.skew_blocks(layer).unsqueeze(2) * theta[None, :, :, None, None]
 
     def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
+        return self.rotation_chunks(coords, layer)(0, len(coords))
+
+    def rotation_chunks(self, coords: torch.Tensor, layer: int) -> Callable[[int, int], torch.Tensor]:
         skew = self.skew_blocks(layer)  # (h, m, b, b)
         theta = self.multipliers[layer if self.multipliers.shape[0] > 1 else 0]  # (m, ndim)
-        rot = None
-        for axis in range(self.ndim):
-            values, inverse = torch.unique(coords[:, axis], return_inverse=True)
-            # exp(v theta_aj S_j) for the distinct values v of this coordinate, then every token's row
-            gen = (skew * theta[:, axis, None, None]).unsqueeze(2)  # (h, m, 1, b, b): theta_aj S_j
-            factor = block_skew_expm(gen, values[:, None], torch.float64).index_select(1, inverse)
-            rot = factor if rot is None else rot @ factor  # (h, N, m, b, b); the factors commute
-        return rot
+        # exp(v theta_aj S_j) for every axis a and distinct coordinate value v (of any axis), in one series:
+        # the axes stack on the head dimension, (ndim h, m, 1, b, b) generators theta_aj S_j
+        values, inverse = torch.unique(coords, return_inverse=True)  # inverse: (N, ndim)
+        gen = (skew.unsqueeze(0) * theta.T[:, None, :, None, None]).flatten(0, 1).unsqueeze(2)
+        table = block_skew_expm(gen, values[:, None], torch.float64)  # (ndim h, V, m, b, b)
+        table = table.unflatten(0, (self.ndim, -1))  # (ndim, h, V, m, b, b)
+        tables, inverses = table.unbind(0), inverse.unbind(1)
+
+        def gather(start: int, stop: int) -> torch.Tensor:
+            rot = None
+            for table, inverse in zip(tables, inverses, strict=True):
+                factor = table.index_select(1, inverse[start:stop])  # every token's row
+                rot = factor if rot is None else rot @ factor  # (h, n, m, b, b); the factors commute
+            return rot
+
+        return gather

@@ -5,21 +5,25 @@ forward for all tokens (never per image: positions are shared by the batch), by 
 :func:`~visionpe.rotary.skew_exp.block_skew_expm` (fp64 inside, fp32 out), and rotates q and k per block with
 one batched product (:func:`~visionpe.rotary.skew_exp.apply_block_rotation`). ComRoPE overrides
 :meth:`LieBlockRotary.rotations` with its cheaper commuting form (one exponential per distinct coordinate).
+Without autograd (inference), ``apply`` builds and applies the rotations a chunk of tokens at a time
+(:meth:`LieBlockRotary.rotation_chunks`), so a layer's (h, N, m, b, b) stack and its fp64 series never exist whole.
 Only PI (coordinate scaling) applies: the rotations have no frequency list that NTK or YaRN could rescale.
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ..base import RotaryPositionEncoding
 from .scaling import Extrapolation
-from .skew_exp import apply_block_rotation, block_skew_expm
+from .skew_exp import apply_block_rotation, block_skew_expm, block_skew_expm_chunks
 
 __all__ = ["LieBlockRotary"]
+
+_CHUNK_TOKENS = 512  # tokens rotated at a time without autograd: bounds the (h, n, m, b, b) rotations in memory
 
 
 class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
@@ -82,6 +86,29 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
         """(num_heads | 1, N, num_blocks, b, b) fp32 rotations of block ``layer`` at ``coords`` (N, ndim)."""
         return block_skew_expm(self.generators(layer), coords)
 
+    def rotation_chunks(self, coords: torch.Tensor, layer: int) -> Callable[[int, int], torch.Tensor]:
+        """``fn(start, stop)``: ``self.rotations(coords, layer)[:, start:stop]``, built for those tokens only.
+
+        Subclasses that override :meth:`rotations` override this too (same values, by token range).
+        """
+        return block_skew_expm_chunks(self.generators(layer), coords)
+
     def apply(self, qk: torch.Tensor, state: tuple[torch.Tensor, int], layer: int) -> torch.Tensor:
         coords, num_prefix_tokens = state
-        return apply_block_rotation(qk, self.rotations(coords, layer), num_prefix_tokens)
+        if torch.is_grad_enabled():
+            return apply_block_rotation(qk, self.rotations(coords, layer), num_prefix_tokens)
+        # no autograd: build and apply the rotations a chunk of tokens at a time, so the (h, N, m, b, b) stack of
+        # the layer (and its fp64 series) never exists whole; the prefix is copied, not rotated by identities
+        tokens = len(coords)
+        if qk.shape[-2] != num_prefix_tokens + tokens:  # let apply_block_rotation raise its shape error
+            return apply_block_rotation(qk, self.rotations(coords, layer), num_prefix_tokens)
+        chunk = self.rotation_chunks(coords, layer)
+        if tokens <= _CHUNK_TOKENS and not num_prefix_tokens:
+            return apply_block_rotation(qk, chunk(0, tokens))
+        out = torch.empty_like(qk)
+        out[..., :num_prefix_tokens, :] = qk[..., :num_prefix_tokens, :]
+        for start in range(0, tokens, _CHUNK_TOKENS):
+            stop = min(start + _CHUNK_TOKENS, tokens)
+            rows = slice(num_prefix_tokens + start, num_prefix_tokens + stop)
+            out[..., rows, :] = apply_block_rotation(qk[..., rows, :], chunk(start, stop))
+        return out

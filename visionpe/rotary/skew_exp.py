@@ -18,11 +18,18 @@ whose rows are all images of the batch (q and k together): each small matrix is 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import lru_cache
 
 import torch
 
-__all__ = ["skew_from_params", "linear_skew_expm", "block_skew_expm", "apply_block_rotation"]
+__all__ = [
+    "skew_from_params",
+    "linear_skew_expm",
+    "block_skew_expm",
+    "block_skew_expm_chunks",
+    "apply_block_rotation",
+]
 
 _ORDER = 12  # Taylor degree: theta^13 / 13! < 4e-8 for theta = 1.5
 _THETA = 1.5  # largest spectral norm evaluated by the series directly
@@ -105,17 +112,35 @@ def block_skew_expm(generators: torch.Tensor, coords: torch.Tensor, dtype: torch
     Returns:
         (H, N, M, b, b) float32 rotations, the layout :func:`apply_block_rotation` reads.
     """
+    return block_skew_expm_chunks(generators, coords, dtype)(0, len(coords))
+
+
+def block_skew_expm_chunks(
+    generators: torch.Tensor, coords: torch.Tensor, dtype: torch.dtype = torch.float64
+) -> Callable[[int, int], torch.Tensor]:
+    """:func:`block_skew_expm` by token ranges: ``fn(start, stop)`` is ``block_skew_expm(...)[:, start:stop]``.
+
+    The word table and the squaring count (from the largest norm over *all* tokens) are set up once, so every
+    chunk runs the same series as the whole; only the (H, stop - start, M, b, b) rotations of the chunk (and its
+    fp64 intermediates) exist at a time.
+    """
     if generators.ndim != 5 or generators.shape[-1] != generators.shape[-2]:
         raise ValueError(f"generators must have shape (H, M, ndim, b, b), got {tuple(generators.shape)}")
     if coords.ndim != 2 or coords.shape[1] != generators.shape[2]:
         raise ValueError(f"coords must have shape (N, ndim={generators.shape[2]}), got {tuple(coords.shape)}")
     heads, blocks, ndim, b, _ = generators.shape
-    tokens = len(coords)
-    with torch.autocast(coords.device.type, enabled=False):
-        if b == 2:  # a 2 x 2 skew generator is a plane rotation: exact closed form
-            angle = torch.einsum("na,hma->hnm", coords.float(), generators[..., 1, 0].float())
-            cos, sin = angle.cos(), angle.sin()
-            return torch.stack((cos, -sin, sin, cos), dim=-1).view(*angle.shape, 2, 2)
+    device_type = coords.device.type
+    if b == 2:  # a 2 x 2 skew generator is a plane rotation: exact closed form
+        plane = generators[..., 1, 0].float()
+
+        def plane_chunk(start: int, stop: int) -> torch.Tensor:
+            with torch.autocast(device_type, enabled=False):
+                angle = torch.einsum("na,hma->hnm", coords[start:stop].float(), plane)
+                cos, sin = angle.cos(), angle.sin()
+                return torch.stack((cos, -sin, sin, cos), dim=-1).view(*angle.shape, 2, 2)
+
+        return plane_chunk
+    with torch.autocast(device_type, enabled=False):
         gen, coords = generators.to(dtype).flatten(0, 1), coords.to(dtype)
         with torch.no_grad():
             # M = sum_a p_a A_a is skew: its eigenvalues come in pairs +-i lambda, so ||M||_2 <= ||M||_F / sqrt(2),
@@ -123,20 +148,29 @@ def block_skew_expm(generators: torch.Tensor, coords: torch.Tensor, dtype: torch
             gram = torch.einsum("gaij,gcij->gac", gen, gen)
             norm2 = torch.einsum("na,gac,nc->ng", coords, gram, coords)
             rho = math.sqrt(max(float(norm2.max()), 0.0) / 2) if norm2.numel() else 0.0
+            del gram, norm2
         squarings = max(0, math.ceil(math.log2(rho / _THETA))) if rho > _THETA else 0
         coords = coords / 2**squarings
 
         table = _word_table(gen)  # (T, H * M, b, b)
+        table = table.reshape(len(table), heads, -1).transpose(0, 1)  # (H, T, M b b)
         levels, _ = _monomials(ndim, _ORDER)
         exponents = torch.tensor([alpha for level in levels for alpha in level], device=coords.device)  # (T, ndim)
-        powers = coords.unsqueeze(-1) ** torch.arange(_ORDER + 1, device=coords.device)  # (N, ndim, K + 1)
-        monomials = powers.gather(2, exponents.T.unsqueeze(0).expand(tokens, -1, -1)).prod(1)  # (N, T)
-        # (N, T) @ (H, T, M b b): every token's series at once, already in the (H, N, M) layout
-        rot = monomials @ table.reshape(len(table), heads, -1).transpose(0, 1)
-        rot = rot.view(heads * tokens * blocks, b, b)
-        for _ in range(squarings):
-            rot = torch.bmm(rot, rot)
-    return rot.view(heads, tokens, blocks, b, b).float()
+        degrees = torch.arange(_ORDER + 1, device=coords.device)
+
+    def series_chunk(start: int, stop: int) -> torch.Tensor:
+        with torch.autocast(device_type, enabled=False):
+            tokens = stop - start
+            powers = coords[start:stop].unsqueeze(-1) ** degrees  # (n, ndim, K + 1)
+            monomials = powers.gather(2, exponents.T.unsqueeze(0).expand(tokens, -1, -1)).prod(1)  # (n, T)
+            # (n, T) @ (H, T, M b b): every token's series at once, already in the (H, n, M) layout
+            rot = (monomials @ table).view(heads * tokens * blocks, b, b)
+            del powers, monomials
+            for _ in range(squarings):
+                rot = torch.bmm(rot, rot)
+            return rot.view(heads, tokens, blocks, b, b).float()
+
+    return series_chunk
 
 
 def linear_skew_expm(generators: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
