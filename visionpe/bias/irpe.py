@@ -28,7 +28,7 @@ from torch import nn
 from ..base import BiasPositionEncoding
 from ..grid import validate_grid_size
 from ..registry import register_scheme
-from .alibi2d import OffsetState, gather_offsets, offset_state, query_rows
+from .offsets import OffsetState, gather_offsets, offset_state, query_rows
 
 __all__ = [
     "IRPE",
@@ -164,7 +164,7 @@ def _check_prefix(num_prefix_tokens: int) -> None:
 
 @dataclass
 class IRPEState(OffsetState):
-    """Per-forward iRPE state for one grid (see :class:`~visionpe.bias.alibi2d.OffsetState`), O(H W) for
+    """Per-forward iRPE state for one grid (see :class:`~visionpe.bias.offsets.OffsetState`), O(H W) for
     large grids.
 
     ``table``: int32 (K + 1,) ((2, K + 1) for cross), the bucket of each grid offset, entry K the extra bucket

@@ -24,7 +24,7 @@ import torch
 from ..base import BiasPositionEncoding
 from ..grid import grid_coords, validate_grid_size
 from ..registry import register_scheme
-from .alibi2d import OffsetState, distance_state, gather_offsets, query_rows
+from .offsets import OffsetState, distance_state, gather_offsets, query_rows
 
 __all__ = ["LookHere", "LookHereState", "LOOKHERE_VARIANTS", "lookhere_heads", "lookhere_fov_masks"]
 
@@ -140,7 +140,7 @@ def _check_positive(name: str, value: float) -> float:
 
 @dataclass
 class LookHereState(OffsetState):
-    """Per-forward LookHere state for one grid (see :class:`~visionpe.bias.alibi2d.OffsetState`).
+    """Per-forward LookHere state for one grid (see :class:`~visionpe.bias.offsets.OffsetState`).
 
     ``penalty``: fp32 (h, K + 1), per grid offset ||p_i - p_j|| on ``index`` coordinates, or +inf where the key
     is outside head h's view from the query; 0 for pairs that involve a prefix token.
