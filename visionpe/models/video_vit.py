@@ -89,15 +89,8 @@ class VideoPEViT(VisionPEViT):
                 f"clip size {frames}x{height}x{width} (T x H x W) must be divisible by the tubelet {ts}x{ph}x{pw}"
             )
 
-    def _pos_embed_grid(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-        grid_size = tuple(x.shape[1:4])
-        x = x.reshape(x.shape[0], -1, x.shape[-1])
-        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
-        x = torch.cat(prefix + [x], dim=1)
-        for scheme in self._schemes("absolute"):
-            if not scheme.insert_after:
-                x = scheme(x, grid_size, self.num_prefix_tokens)
-        return self.pos_drop(x), grid_size
+    def _grid_size(self, x: torch.Tensor) -> tuple[int, ...]:
+        return tuple(x.shape[1:4])  # the tubelet embedding's (B, T', H', W', D) output, for any clip size
 
     def forward_intermediates(self, *args, **kwargs):
         raise TypeError("VideoPEViT has no spatial feature maps to return; use forward_features (B, P + N, C)")

@@ -126,9 +126,13 @@ class VisionPEViT(VisionTransformer):
                 f"{tuple(self.patch_embed.img_size)}; create it with dynamic_img_size=True or call set_input_size()"
             )
 
-    def _pos_embed_grid(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
-        """Patch tokens (NHWC or NLC) -> prefix + patches with absolute encodings, and the grid size."""
-        grid_size = tuple(x.shape[1:3]) if self.dynamic_img_size else tuple(self.patch_embed.grid_size)
+    def _grid_size(self, x: torch.Tensor) -> tuple[int, ...]:
+        """Grid of the patch embedding's output (NHWC when ``dynamic_img_size``, else NLC on the nominal grid)."""
+        return tuple(x.shape[1:3]) if self.dynamic_img_size else tuple(self.patch_embed.grid_size)
+
+    def _pos_embed_grid(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """Patch tokens -> prefix + patches with absolute encodings, and the grid size."""
+        grid_size = self._grid_size(x)
         x = super()._pos_embed(x)  # timm: concatenate prefix tokens (its own table is None)
         for scheme in self._schemes("absolute"):
             if not scheme.insert_after:
