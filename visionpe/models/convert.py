@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -44,8 +45,7 @@ def convert_timm_state_dict(
         if key == "pos_embed" and "learned" in model.pos_schemes:
             learned = model.pos_schemes["learned"]
             new_key = "pos_schemes.learned.pos_embed"
-            num_src_prefix = value.shape[1] - _infer_patches(value.shape[1], model.num_prefix_tokens)
-            src_grid = _square_grid(value.shape[1] - num_src_prefix, key)
+            num_src_prefix, src_grid = _infer_grid(value.shape[1], model.num_prefix_tokens)
             prefix, patches = value[:, :num_src_prefix], value[:, num_src_prefix:]
             if src_grid != learned.grid_size:
                 patches = resample_abs_pos_embed(
@@ -88,21 +88,11 @@ def load_timm_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     return report
 
 
-def _infer_patches(num_rows: int, num_prefix_tokens: int) -> int:
-    """Patch rows of a timm table: a perfect square after removing 0..num_prefix_tokens prefix rows."""
-    for prefix in range(num_prefix_tokens, -1, -1):
-        side = int(round((num_rows - prefix) ** 0.5))
-        if side * side == num_rows - prefix:
-            return num_rows - prefix
-    for prefix in range(0, 9):  # registers in the source that the target lacks
-        side = int(round((num_rows - prefix) ** 0.5))
-        if side * side == num_rows - prefix:
-            return num_rows - prefix
+def _infer_grid(num_rows: int, num_prefix_tokens: int) -> tuple[int, tuple[int, int]]:
+    """(prefix rows, square patch grid) of a timm table: the first of P, P - 1, ..., 0 prefix rows that leaves a
+    perfect square, then up to 8 (registers the source model had and the target lacks)."""
+    for prefix in [*range(num_prefix_tokens, -1, -1), *range(num_prefix_tokens + 1, 9)]:
+        side = math.isqrt(max(num_rows - prefix, 0))
+        if side and side * side == num_rows - prefix:
+            return prefix, (side, side)
     raise ValueError(f"cannot infer the grid of a pos_embed with {num_rows} rows (not square after prefix rows)")
-
-
-def _square_grid(num_patches: int, key: str) -> tuple[int, int]:
-    side = int(round(num_patches**0.5))
-    if side * side != num_patches:
-        raise ValueError(f"{key} has {num_patches} patch rows, which is not a square grid")
-    return side, side
