@@ -34,6 +34,9 @@ class ComRoPEBase(LieBlockRotary):
     """Common ComRoPE options; subclasses build the commuting generators."""
 
     _scales_own_coords = True
+    # exact relative property to 1e-5: each squaring doubles the error before it, so exponentials run in fp64
+    # (cheap here: one per distinct coordinate value)
+    series_dtype = torch.float64
 
     def __init__(
         self,
@@ -135,7 +138,7 @@ class ComRoPEAP(ComRoPEBase):
             # blocks axis, axis + ndim, ... turn with this coordinate only: exp(v S_j) for its distinct values v
             values, inverse = torch.unique(coords[:, axis], return_inverse=True)
             own = torch.arange(axis, blocks, self.ndim, device=coords.device)
-            table = block_skew_expm(skew[:, own, None], values[:, None], torch.float64)  # (h, V, m_a, b, b)
+            table = block_skew_expm(skew[:, own, None], values[:, None], self.series_dtype)  # (h, V, m_a, b, b)
             tables.append(table.flatten(1, 2))
             # token n, block own[k] reads row inverse[n] * m_a + k of this axis' table
             index[:, own] = offsets + inverse[:, None] * len(own) + torch.arange(len(own), device=coords.device)

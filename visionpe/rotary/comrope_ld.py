@@ -70,7 +70,7 @@ class ComRoPELD(ComRoPEBase):
         # the axes stack on the head dimension, (ndim h, m, 1, b, b) generators theta_aj S_j
         values, inverse = torch.unique(coords, return_inverse=True)  # inverse: (N, ndim)
         gen = (skew.unsqueeze(0) * theta.T[:, None, :, None, None]).flatten(0, 1).unsqueeze(2)
-        table = block_skew_expm(gen, values[:, None], torch.float64)  # (ndim h, V, m, b, b)
+        table = block_skew_expm(gen, values[:, None], self.series_dtype)  # (ndim h, V, m, b, b)
         table = table.unflatten(0, (self.ndim, -1))  # (ndim, h, V, m, b, b)
         tables, inverses = table.unbind(0), inverse.unbind(1)
 

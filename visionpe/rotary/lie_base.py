@@ -2,7 +2,8 @@
 
 ``prepare`` keeps the (possibly PI-scaled) coordinates; ``apply`` exponentiates the layer's generators once per
 forward for all tokens (never per image: positions are shared by the batch), by default with the series of
-:func:`~visionpe.rotary.skew_exp.block_skew_expm` (fp64 inside, fp32 out), and rotates q and k per block with
+:func:`~visionpe.rotary.skew_exp.block_skew_expm` in :attr:`LieBlockRotary.series_dtype` (fp32 for LieRE, as
+the paper; fp64 for ComRoPE, whose exact relative property fp32 squarings break), and rotates q and k per block with
 one batched product (:func:`~visionpe.rotary.skew_exp.apply_block_rotation`). ComRoPE overrides
 :meth:`LieBlockRotary.rotations` with its cheaper commuting form (one exponential per distinct coordinate).
 Without autograd (inference), ``apply`` builds and applies the rotations a chunk of tokens at a time
@@ -30,6 +31,8 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
     """Base class: subclasses implement :meth:`generators` -> (num_heads | 1, head_dim // b, ndim, b, b)."""
 
     supported_extrapolation = ("none", "pi")
+    #: working precision of the default per-token exponential (:meth:`rotations`); the result is fp32 either way
+    series_dtype: torch.dtype = torch.float32
 
     def __init__(
         self,
@@ -84,14 +87,14 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
 
     def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
         """(num_heads | 1, N, num_blocks, b, b) fp32 rotations of block ``layer`` at ``coords`` (N, ndim)."""
-        return block_skew_expm(self.generators(layer), coords)
+        return block_skew_expm(self.generators(layer), coords, self.series_dtype)
 
     def rotation_chunks(self, coords: torch.Tensor, layer: int) -> Callable[[int, int], torch.Tensor]:
         """``fn(start, stop)``: ``self.rotations(coords, layer)[:, start:stop]``, built for those tokens only.
 
         Subclasses that override :meth:`rotations` override this too (same values, by token range).
         """
-        return block_skew_expm_chunks(self.generators(layer), coords)
+        return block_skew_expm_chunks(self.generators(layer), coords, self.series_dtype)
 
     def apply(self, qk: torch.Tensor, state: tuple[torch.Tensor, int], layer: int) -> torch.Tensor:
         coords, num_prefix_tokens = state
