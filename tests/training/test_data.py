@@ -159,6 +159,22 @@ def test_resolution_training_varies_scale():
     assert (unnormalize(x_plain)[:, 0] > 0.5).float().mean(dim=(1, 2)).std() < ink_share.std()
 
 
+def test_resolution_context_centres_the_digit_on_a_larger_square():
+    plain, framed = DigitsDataModule(batch_size=16), DigitsDataModule(batch_size=16, context=2.0)
+    plain.setup()
+    framed.setup()
+    x_plain, _ = first_batch(plain.eval_dataloader(28))  # 28 px: the digit itself, pixel for pixel
+    x_framed, _ = first_batch(framed.eval_dataloader(56))  # the digit on a 56 px square, pixel for pixel
+    background = (0.0 - DIGITS_MEAN[0]) / DIGITS_STD[0]
+    border = torch.ones(56, 56, dtype=torch.bool)
+    border[14:42, 14:42] = False
+    assert torch.allclose(x_framed[:, :, border], torch.tensor(background), atol=1e-5)
+    assert torch.allclose(x_framed[:, :, 14:42, 14:42], x_plain, atol=1e-5)
+    # at the training size the digit covers about a quarter of the image's ink share of the plain view
+    share = [(unnormalize(first_batch(dm.eval_dataloader(32))[0]) > 0.5).float().mean() for dm in (plain, framed)]
+    assert 0.15 < share[1] / share[0] < 0.35
+
+
 def test_digits_determinism_per_seed_and_epoch():
     def batch(seed, batch_size=8, epoch=0, num_workers=0):
         dm = DigitsDataModule(batch_size=batch_size, seed=seed, num_workers=num_workers)
@@ -202,6 +218,8 @@ def test_train_subset():
         ({"ratio": (2.0, 1.0)}, ValueError, "ratio must satisfy"),
         ({"translate": 1.0}, ValueError, "translate must be a float in"),
         ({"seed": -1}, ValueError, "seed must be >= 0"),
+        ({"context": 0.5}, ValueError, r"context must be a float in \[1, 8\], got 0.5"),
+        ({"protocol": "canvas", "context": 2.0}, ValueError, "context applies to protocol='resolution' only"),
         ({"protocol": "canvas", "img_size": 24}, ValueError, "img_size must be >= 28, got 24"),
         ({"protocol": "canvas", "eval_sizes": (32, 16)}, ValueError, r"eval_sizes\[1\] must be >= 28"),
     ],

@@ -253,8 +253,11 @@ class _DigitsDataset(Dataset):
         scale: tuple[float, float],
         ratio: tuple[float, float],
         translate: float,
+        context: float = 1.0,
     ) -> None:
         self.images, self.labels, self.indices = images, labels, indices
+        margin = round(_DIGIT_PX * (context - 1) / 2)
+        self.padding = (margin, margin, margin, margin)  # (left, right, top, bottom) of the 28x28 digit
         self.protocol, self.size, self.seed, self.training = protocol, size, seed, training
         self.normalize = v2.Normalize(DIGITS_MEAN, DIGITS_STD)
         if protocol == "canvas":
@@ -287,6 +290,8 @@ class _DigitsDataset(Dataset):
         stream_key = (_TRAIN_STREAM, epoch) if self.training else (_EVAL_STREAM, self.size)
         sample_seed = _sample_seed(self.seed, *stream_key, index)
         digit = self.images[self.indices[index]]
+        if self.protocol == "resolution" and self.padding[0]:
+            digit = torch.nn.functional.pad(digit, self.padding)  # the digit at the centre of a black square
         if self.protocol == "canvas":
             image = self._paste(digit, self.boxes[index], torch.Generator().manual_seed(sample_seed))
         elif self.training:
@@ -328,6 +333,11 @@ class DigitsDataModule(L.LightningDataModule):
         scale: RandomResizedCrop area range (``resolution`` training).
         ratio: RandomResizedCrop aspect-ratio range (``resolution`` training).
         translate: largest random shift as a fraction of ``img_size`` (``resolution`` training).
+        context: ``resolution`` only: each digit is first centred on a black square ``context`` times its side
+            (1.0: the digit fills the image; 2.0: it fills the central half, as an object with background around
+            it). With ``scale`` reaching 1 / context**2 the training crops then zoom in on the digit up to
+            ``context`` times, so that test sizes up to ``context * img_size`` show it at sizes seen in training
+            (the FixRes argument: RandomResizedCrop makes training objects larger than test objects).
         digits_path: the ``.npz`` to read; default the bundled file.
 
     Example:
@@ -357,6 +367,7 @@ class DigitsDataModule(L.LightningDataModule):
         scale: tuple[float, float] = (0.25, 1.0),
         ratio: tuple[float, float] = (0.75, 1.33),
         translate: float = 0.125,
+        context: float = 1.0,
         digits_path: str | Path | None = None,
     ) -> None:
         super().__init__()
@@ -380,6 +391,11 @@ class DigitsDataModule(L.LightningDataModule):
         if isinstance(translate, bool) or not isinstance(translate, (int, float)) or not 0.0 <= translate < 1.0:
             raise ValueError(f"translate must be a float in [0, 1), got {translate!r}")
         self.translate = float(translate)
+        if isinstance(context, bool) or not isinstance(context, (int, float)) or not 1.0 <= context <= 8.0:
+            raise ValueError(f"context must be a float in [1, 8], got {context!r}")
+        if context != 1.0 and protocol != "resolution":
+            raise ValueError(f"context applies to protocol='resolution' only, got context={context} with {protocol!r}")
+        self.context = float(context)
         if digits_path is not None and not isinstance(digits_path, (str, Path)):
             raise TypeError(f"digits_path must be a str or Path, got {type(digits_path).__name__}")
         self.digits_path = digits_path
@@ -404,7 +420,7 @@ class DigitsDataModule(L.LightningDataModule):
         self.val_dataset = self._dataset(val_idx, self.img_size, training=False)
 
     def _dataset(self, indices: torch.Tensor, size: int, training: bool) -> _DigitsDataset:
-        options = {"scale": self.scale, "ratio": self.ratio, "translate": self.translate}
+        options = {"scale": self.scale, "ratio": self.ratio, "translate": self.translate, "context": self.context}
         return _DigitsDataset(self.images, self.labels, indices, self.protocol, size, self.seed, training, **options)
 
     def _loader(self, dataset: Dataset, sampler: Sampler | None = None) -> DataLoader:
