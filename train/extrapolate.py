@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default="runs/extrapolate", help="output folder (table, CSV, plot, checkpoints)")
     parser.add_argument("--title", default=None)
+    parser.add_argument(
+        "--reuse", action="store_true", help="load runs that already finished under --out instead of training again"
+    )
     args = parser.parse_args(argv)
     if not (args.checkpoints or args.schemes or args.references):
         parser.error("give --checkpoints, --schemes or --references")
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
         overrides=[a if a.startswith("--") else f"--{a}" for a in args.override],
         out_dir=args.out,
         title=args.title,
+        reuse=args.reuse,
     )
     print(paths["md"].read_text())
     print(f"table: {paths['md']}\ncsv: {paths['csv']}\nplot: {paths['png']}")

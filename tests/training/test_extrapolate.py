@@ -4,6 +4,7 @@ import csv
 import importlib.util
 from pathlib import Path
 
+import lightning
 import pytest
 
 from visionpe.training.evaluate import markdown_table, summarize
@@ -21,30 +22,29 @@ def _script():
 
 def test_sweep_writes_table_csv_and_plot(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    paths = _script().main(
-        [
-            "--config",
-            DIGITS,
-            "--schemes",
-            "rope_axial",
-            "--references",
-            "timm_ape",
-            "--max-epochs",
-            "1",
-            "--sizes",
-            "32",
-            "48",
-            "--extrapolation",
-            "none",
-            "ntk",
-            "--out",
-            str(tmp_path / "out"),
-            "--override",
-            "data.init_args.train_subset=128",
-            "trainer.enable_progress_bar=false",
-            "trainer.limit_val_batches=1",
-        ]
-    )
+    args = [
+        "--config",
+        DIGITS,
+        "--schemes",
+        "rope_axial",
+        "--references",
+        "timm_ape",
+        "--max-epochs",
+        "1",
+        "--sizes",
+        "32",
+        "48",
+        "--extrapolation",
+        "none",
+        "ntk",
+        "--out",
+        str(tmp_path / "out"),
+        "--override",
+        "data.init_args.train_subset=128",
+        "trainer.enable_progress_bar=false",
+        "trainer.limit_val_batches=1",
+    ]
+    paths = _script().main(args)
     assert {p.name for p in paths.values()} == {"results.md", "results.csv", "results.png"}
     assert paths["png"].stat().st_size > 1000
     rows = list(csv.DictReader(paths["csv"].open()))
@@ -56,6 +56,16 @@ def test_sweep_writes_table_csv_and_plot(tmp_path, monkeypatch):
     # ntk only changes positions beyond the training grid: identical accuracy at the training size
     at32 = {r["model"]: float(r["acc"]) for r in rows if r["size"] == "32"}
     assert at32["rope_axial"] == at32["rope_axial [ntk]"]
+
+    # --reuse: finished runs are loaded from <out>/<model>/seed<k>/final.ckpt, not trained again
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(lightning.pytorch.Trainer, "fit", no_training)
+    again = _script().main([*args, "--reuse"])
+    assert list(csv.DictReader(again["csv"].open())) == rows
+    with pytest.raises(AssertionError, match="trained again"):
+        _script().main(args)  # without --reuse every run trains
 
 
 def test_summary_mean_and_std_over_seeds():

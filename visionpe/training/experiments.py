@@ -29,12 +29,25 @@ REFERENCE_MODELS = {
 EXTRAPOLATION_MODES = ("none", "pi", "ntk", "yarn")
 
 
-def train_from_config(config: str | Path, overrides: Sequence[str], out_dir: str | Path):
-    """Fit a :class:`Classifier` from ``config`` plus CLI-style ``overrides``; return (model, datamodule)."""
+FINAL_CHECKPOINT = "final.ckpt"  # written by train_from_config once a run has finished training
+
+
+def train_from_config(config: str | Path, overrides: Sequence[str], out_dir: str | Path, reuse: bool = False):
+    """Fit a :class:`Classifier` from ``config`` plus CLI-style ``overrides``; return (model, datamodule).
+
+    The trained model is saved as ``out_dir / FINAL_CHECKPOINT``. With ``reuse``, a run whose final checkpoint
+    already exists is loaded instead of trained again (an interrupted sweep continues where it stopped; runs that
+    had not finished are trained from the start).
+    """
     out_dir = Path(out_dir)
     cli = run_cli(args=["--config", str(config), *overrides, f"--trainer.default_root_dir={out_dir}"], run=False)
+    final = out_dir / FINAL_CHECKPOINT
+    if reuse and final.is_file():
+        cli.datamodule.setup("validate")
+        return Classifier.load_from_checkpoint(final, map_location="cpu").eval(), cli.datamodule
     cli.trainer.loggers = [CSVLogger(out_dir, name="csv"), TensorBoardLogger(out_dir, name="tensorboard")]
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    cli.trainer.save_checkpoint(final)
     return cli.model.eval(), cli.datamodule
 
 
@@ -55,11 +68,13 @@ def run_sweep(
     overrides: Sequence[str] = (),
     out_dir: str | Path = "runs/extrapolate",
     title: str | None = None,
+    reuse: bool = False,
 ) -> dict[str, Path]:
     """Train (or load) every model, evaluate it at every size, write table/CSV/plot under ``out_dir``.
 
     ``overrides`` are LightningCLI arguments applied to every training run and to the data module, e.g.
-    ``["--data.init_args.train_subset=512"]``.
+    ``["--data.init_args.train_subset=512"]``. With ``reuse``, runs that finished in an earlier call with the
+    same ``out_dir`` (``<out_dir>/<model>/seed<k>/final.ckpt``) are loaded instead of trained again.
     """
     if not Path(config).is_file():
         raise ValueError(f"config must be an existing YAML file, got {str(config)!r}")
@@ -78,10 +93,10 @@ def run_sweep(
     rows, datamodule = [], None
     for seed in seeds:
         models: dict[str, Classifier] = {}
-        for label, overrides in runs:
+        for label, run_args in runs:
             seed_args = [f"--seed_everything={seed}", f"--model.seed={seed}"]
             run_dir = out_dir / label.replace(" ", "_") / f"seed{seed}"
-            models[label], datamodule = train_from_config(config, [*overrides, *seed_args, *common], run_dir)
+            models[label], datamodule = train_from_config(config, [*run_args, *seed_args, *common], run_dir, reuse)
         if seed == seeds[0]:
             for path in checkpoints:
                 model = Classifier.load_from_checkpoint(path, map_location="cpu").eval()
