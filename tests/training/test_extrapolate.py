@@ -37,6 +37,8 @@ def test_sweep_writes_table_csv_and_plot(tmp_path, monkeypatch):
         "--extrapolation",
         "none",
         "ntk",
+        "--seeds",
+        "1",  # not the config's seed: the data module must follow it (Lightning checks the two agree)
         "--out",
         str(tmp_path / "out"),
         "--override",
@@ -49,7 +51,7 @@ def test_sweep_writes_table_csv_and_plot(tmp_path, monkeypatch):
     assert paths["png"].stat().st_size > 1000
     rows = list(csv.DictReader(paths["csv"].open()))
     assert {r["model"] for r in rows} == {"rope_axial", "rope_axial [ntk]", "timm APE ViT"}
-    assert {int(r["size"]) for r in rows} == {32, 48}
+    assert {int(r["size"]) for r in rows} == {32, 48} and {r["seed"] for r in rows} == {"1"}
     assert all(0.0 <= float(r["acc"]) <= 100.0 for r in rows)
     table = paths["md"].read_text()
     assert "| rope_axial [ntk] |" in table and "48 px" in table

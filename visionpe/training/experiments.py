@@ -7,6 +7,7 @@ seed and output folder overridden; then every model is evaluated at every size o
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -51,6 +52,12 @@ def train_from_config(config: str | Path, overrides: Sequence[str], out_dir: str
     return cli.model.eval(), cli.datamodule
 
 
+def _data_takes_seed(config: str | Path, overrides: Sequence[str]) -> bool:
+    """Whether the data module of ``config`` has a ``seed`` argument (the digits do; an ImageFolder does not)."""
+    datamodule = run_cli(args=["--config", str(config), *overrides], run=False).datamodule
+    return "seed" in inspect.signature(type(datamodule).__init__).parameters
+
+
 def _has_rotary(model: Classifier) -> bool:
     schemes = getattr(model.model, "pos_schemes", {})
     return any(getattr(s, "kind", None) == "rotary" for s in schemes.values())
@@ -91,10 +98,14 @@ def run_sweep(
     runs += [(REFERENCE_MODELS[r][0], [f"--model.model_name={REFERENCE_MODELS[r][1]}"]) for r in references]
 
     rows, datamodule = [], None
+    data_seed = runs and _data_takes_seed(config, common)
     for seed in seeds:
         models: dict[str, Classifier] = {}
         for label, run_args in runs:
+            # the data module's seed (split, shuffle, augmentation) follows the run's seed: a seed is a whole
+            # replicate, and Lightning refuses a module and a data module that log different 'seed' values
             seed_args = [f"--seed_everything={seed}", f"--model.seed={seed}"]
+            seed_args += [f"--data.init_args.seed={seed}"] if data_seed else []
             run_dir = out_dir / label.replace(" ", "_") / f"seed{seed}"
             models[label], datamodule = train_from_config(config, [*run_args, *seed_args, *common], run_dir, reuse)
         if seed == seeds[0]:
