@@ -53,17 +53,22 @@ def sweep(
     return rows
 
 
-def summarize(rows: list[dict]) -> dict[str, dict[int, tuple[float, float, int]]]:
-    """{model: {size: (mean, std, n_seeds)}}; std is 0 for a single seed."""
+def summarize(
+    rows: Iterable[Mapping], group: str = "model", by: str = "size"
+) -> dict[str, dict[int, tuple[float, float, int]]]:
+    """{row[group]: {row[by]: (mean, std, n_seeds) of row["acc"]}} in order of first appearance, sizes sorted.
+
+    std is 0 for a single seed. ``group`` and ``by`` name the columns (e.g. ``scheme`` and ``length``).
+    """
     grouped: dict[str, dict[int, list[float]]] = {}
     for row in rows:
-        grouped.setdefault(row["model"], {}).setdefault(int(row["size"]), []).append(float(row["acc"]))
+        grouped.setdefault(row[group], {}).setdefault(int(row[by]), []).append(float(row["acc"]))
     return {
-        model: {
+        name: {
             size: (statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v))
             for size, v in sorted(by_size.items())
         }
-        for model, by_size in grouped.items()
+        for name, by_size in grouped.items()
     }
 
 

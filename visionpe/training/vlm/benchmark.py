@@ -45,6 +45,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from ..evaluate import summarize
 from .data import VLMTaskDataModule
 from .model import VLMSize
 from .module import VLMModule
@@ -245,16 +246,7 @@ def _length_label(task: str, length: int) -> str:
 
 def _summarize(rows: Iterable[dict]) -> dict[str, dict[int, tuple[float, float, int]]]:
     """{scheme: {length: (mean, std, n_seeds)}} in order of first appearance; std is 0 for one seed."""
-    grouped: dict[str, dict[int, list[float]]] = {}
-    for row in rows:
-        grouped.setdefault(row["scheme"], {}).setdefault(int(row["length"]), []).append(float(row["acc"]))
-    return {
-        scheme: {
-            length: (statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v))
-            for length, v in sorted(by_length.items())
-        }
-        for scheme, by_length in grouped.items()
-    }
+    return summarize(rows, group="scheme", by="length")
 
 
 def markdown_table(task: str, rows: Sequence[dict]) -> str:
