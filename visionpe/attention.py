@@ -80,6 +80,10 @@ class PosAttention(Attention):
             for scheme, state in pos.rotary:
                 qk = scheme.apply(qk, state, self.layer)
             q, k = qk.unbind(0)
+            if torch.compiler.is_compiling():
+                # inductor (torch 2.14) can fix the token stride of the q/k it saves for attention's backward in a
+                # graph with dynamic shapes, which then fails at the next image size; the layout copy is fused away
+                q, k = q.contiguous(), k.contiguous()
 
         chunk = self.query_chunk_rows(B, N) if pos.bias and not is_causal else N
         if chunk >= N:

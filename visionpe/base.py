@@ -12,6 +12,7 @@ Prefix tokens (cls, registers) come first in the sequence and get no position: i
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -26,6 +27,7 @@ __all__ = [
     "RotaryPositionEncoding",
     "BiasPositionEncoding",
     "check_coords",
+    "check_rotate_input",
 ]
 
 
@@ -45,6 +47,27 @@ def check_coords(coords: torch.Tensor, ndims: tuple[int, ...], scheme: str) -> t
     if not torch.isfinite(coords).all():
         raise ValueError(f"coords must be finite, got NaN or inf in {scheme} coordinates")
     return coords
+
+
+def check_rotate_input(scheme: nn.Module, x: torch.Tensor, coords: torch.Tensor, layer: int) -> torch.Tensor:
+    """Validate the arguments of ``rotate`` (x (B, num_heads, N, head_dim), coords (N, ndim), layer); return coords
+    as a float tensor on x's device."""
+    name = type(scheme).__name__
+    heads, head_dim = getattr(scheme, "num_heads", None), getattr(scheme, "head_dim", None)
+    expected = f"(B, num_heads={heads}, N, head_dim={head_dim})" if heads else "(B, num_heads, N, head_dim)"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a {expected} tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    if x.ndim != 4 or (heads and (x.shape[1], x.shape[3]) != (heads, head_dim)) or x.shape[0] == 0:
+        raise ValueError(f"x must be a non-empty {expected} tensor for {name}, got shape {tuple(x.shape)}")
+    depth = getattr(scheme, "depth", None)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < (depth or layer + 1):
+        raise ValueError(f"layer must be an int in [0, depth={depth}) for {name}, got {layer!r}")
+    coords = check_coords(coords, scheme.ndims, name)
+    if coords.shape[0] != x.shape[2]:
+        raise ValueError(f"coords has {coords.shape[0]} rows but x has {x.shape[2]} tokens (dim 2)")
+    return coords.to(x.device)
 
 
 class PositionEncoding(nn.Module):
@@ -82,6 +105,30 @@ class AbsolutePositionEncoding(PositionEncoding, ABC):
     def forward(self, x: torch.Tensor, grid_size: tuple[int, ...], num_prefix_tokens: int) -> torch.Tensor:
         """``x``: (B, num_prefix_tokens + N, C) -> same shape."""
 
+    def check_tokens(
+        self, x: torch.Tensor, grid_size: tuple[int, ...], num_prefix_tokens: int, dim: int | None = None
+    ) -> tuple[int, ...]:
+        """Validate ``forward``'s arguments: x (B >= 1, num_prefix_tokens + prod(grid_size), dim); returns the grid."""
+        grid_size = self.check_grid(grid_size)
+        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
+            raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
+        # messages are formatted only on failure: under torch.compile, formatting a traced size fixes its value
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a (B, P + N, C) tensor, got {type(x).__name__}")
+        if (
+            x.ndim != 3
+            or x.shape[0] == 0
+            or x.shape[1] != num_prefix_tokens + math.prod(grid_size)
+            or (dim is not None and x.shape[2] != dim)
+            or not x.is_floating_point()
+        ):
+            raise ValueError(
+                f"x must have shape (B, {num_prefix_tokens} + {math.prod(grid_size)}, {dim or 'C'}) (B >= 1, "
+                f"floating point) for grid_size {grid_size} and {num_prefix_tokens} prefix tokens, got shape "
+                f"{tuple(x.shape)} and dtype {x.dtype}"
+            )
+        return grid_size
+
 
 class RotaryPositionEncoding(PositionEncoding, ABC):
     """Rotates q and k. ``state`` is whatever ``prepare`` returns; it is built once per forward."""
@@ -106,15 +153,8 @@ class RotaryPositionEncoding(PositionEncoding, ABC):
 
         Every token of ``x`` is rotated; the model passes prefix tokens separately and leaves them as they are.
         """
-        if not isinstance(x, torch.Tensor) or x.ndim != 4:
-            raise ValueError(
-                f"x must be a (B, num_heads, N, head_dim) tensor, got "
-                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
-            )
-        coords = check_coords(coords, self.ndims, type(self).__name__)
-        if coords.shape[0] != x.shape[2]:
-            raise ValueError(f"coords has {coords.shape[0]} rows but x has {x.shape[2]} tokens (dim 2)")
-        return self.apply(x, self.prepare(coords.to(x.device), 0), layer)
+        coords = check_rotate_input(self, x, coords, layer)
+        return self.apply(x, self.prepare(coords, 0), layer)
 
 
 class BiasPositionEncoding(PositionEncoding, ABC):

@@ -14,6 +14,7 @@ Coordinate modes (SCHEMES.md §0):
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -24,8 +25,11 @@ COORD_MODES = ("index", "centered", "normalized", "ref_scaled")
 
 
 def validate_grid_size(grid_size: Sequence[int], name: str = "grid_size", ndims: Sequence[int] = (2, 3)) -> tuple:
-    """Check that ``grid_size`` is a tuple of positive ints with an allowed length; return it as a tuple."""
-    if isinstance(grid_size, torch.Tensor):
+    """Check that ``grid_size`` is a tuple of positive ints with an allowed length; return it as a tuple.
+
+    Integer tensors, NumPy arrays and NumPy integers are accepted (as Python ints); floats are not, even 2.0.
+    """
+    if isinstance(grid_size, torch.Tensor) or type(grid_size).__module__ == "numpy":
         grid_size = grid_size.tolist()
     if not isinstance(grid_size, (tuple, list)):
         raise TypeError(f"{name} must be a tuple of ints, got {type(grid_size).__name__}")
@@ -33,11 +37,18 @@ def validate_grid_size(grid_size: Sequence[int], name: str = "grid_size", ndims:
         raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} entries, got {len(grid_size)}: {grid_size}")
     out = []
     for i, g in enumerate(grid_size):
-        if isinstance(g, bool) or not isinstance(g, int):
+        value = g
+        if not isinstance(g, int):  # Python ints (and sizes traced by torch.compile) pass as they are
+            try:
+                # operator.index takes exactly the integer types (NumPy ints, 0-d integer tensors), not 2.0
+                value = operator.index(g)
+            except TypeError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name}[{i}] must be an int, got {type(g).__name__} ({g!r})")
-        if g <= 0:
-            raise ValueError(f"{name}[{i}] must be positive, got {g}")
-        out.append(g)
+        if value <= 0:
+            raise ValueError(f"{name}[{i}] must be positive, got {value}")
+        out.append(value)
     return tuple(out)
 
 
@@ -102,6 +113,8 @@ def prefix_mask(num_prefix_tokens: int, num_patches: int, device: torch.device |
     """
     if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
         raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
+    if isinstance(num_patches, bool) or not isinstance(num_patches, int) or num_patches < 0:
+        raise ValueError(f"num_patches must be a non-negative int, got {num_patches!r}")
     mask = torch.zeros(num_prefix_tokens + num_patches, dtype=torch.bool, device=device)
     mask[:num_prefix_tokens] = True
     return mask

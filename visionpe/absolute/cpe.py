@@ -86,17 +86,7 @@ class PEG(AbsolutePositionEncoding):
         after_block: int | None = None,
     ) -> torch.Tensor:
         """``x`` (B, P + H W, C) -> same shape, PEG applied to the patch tokens."""
-        grid_size = self.check_grid(grid_size)
-        if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[-1] != self.dim:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must have shape (B, num_prefix_tokens + H*W, {self.dim}), got {shape}")
-        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
-            raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
-        if x.shape[1] != num_prefix_tokens + grid_size[0] * grid_size[1]:
-            raise ValueError(
-                f"x has {x.shape[1]} tokens but grid_size {grid_size} with {num_prefix_tokens} prefix tokens "
-                f"needs {num_prefix_tokens + grid_size[0] * grid_size[1]}"
-            )
+        grid_size = self.check_tokens(x, grid_size, num_prefix_tokens, self.dim)
         if after_block is None and len(self.pegs) == 1:
             index = 0
         elif after_block in self.insert_after:

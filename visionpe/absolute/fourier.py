@@ -80,7 +80,8 @@ class LearnableFourierFeatures(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """positions (..., G, M) -> (..., D), the per-group MLP outputs concatenated."""
-        return self.mlp(self.features(positions)).flatten(-2)
+        # fp32 features meet the MLP in its weights' dtype (a model cast to bf16 has no autocast to do it)
+        return self.mlp(self.features(positions).to(self.mlp[0].weight.dtype)).flatten(-2)
 
 
 @register_scheme("fourier")
@@ -139,11 +140,6 @@ class LearnableFourierPosEmbed(AbsolutePositionEncoding):
 
     def forward(self, x: torch.Tensor, grid_size: tuple[int, ...], num_prefix_tokens: int) -> torch.Tensor:
         """``x`` (B, P + N, D) -> same shape, the encoding added to the N patch tokens."""
+        grid_size = self.check_tokens(x, grid_size, num_prefix_tokens, self.dim)
         pe = self.encoder(self.positions(grid_size, x.device))
-        if not isinstance(x, torch.Tensor) or x.ndim != 3 or x.shape[1] != num_prefix_tokens + pe.shape[0]:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(
-                f"x must have shape (B, {num_prefix_tokens} + {pe.shape[0]}, {self.dim}) for grid_size "
-                f"{tuple(grid_size)}, got {shape}"
-            )
         return torch.cat([x[:, :num_prefix_tokens], x[:, num_prefix_tokens:] + pe.to(x.dtype)], dim=1)

@@ -20,6 +20,10 @@ __all__ = ["LearnedPosEmbed"]
 
 _INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
 
+# Resampling runs eagerly under torch.compile (a graph break, only at grids other than the training grid): inductor
+# fails on the antialiased bicubic backward (torch 2.14, a meta-kernel assertion); the table is small.
+_resample = torch.compiler.disable(resample_abs_pos_embed)
+
 
 @register_scheme("learned")
 class LearnedPosEmbed(AbsolutePositionEncoding):
@@ -48,6 +52,8 @@ class LearnedPosEmbed(AbsolutePositionEncoding):
         self.grid_size = validate_grid_size(grid_size, ndims=(2,))
         if interpolation not in _INTERPOLATIONS:
             raise ValueError(f"interpolation must be one of {_INTERPOLATIONS}, got {interpolation!r}")
+        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
+            raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
         self.num_prefix_tokens, self.no_embed_class = num_prefix_tokens, no_embed_class
         self.interpolation, self.antialias = interpolation, antialias
         self.num_embed_prefix = 0 if no_embed_class else num_prefix_tokens
@@ -59,7 +65,7 @@ class LearnedPosEmbed(AbsolutePositionEncoding):
         grid_size = self.check_grid(grid_size)
         if grid_size == self.grid_size:
             return self.pos_embed
-        return resample_abs_pos_embed(
+        return _resample(
             self.pos_embed,
             new_size=list(grid_size),
             old_size=list(self.grid_size),
@@ -69,6 +75,7 @@ class LearnedPosEmbed(AbsolutePositionEncoding):
         )
 
     def forward(self, x: torch.Tensor, grid_size: tuple[int, ...], num_prefix_tokens: int) -> torch.Tensor:
+        grid_size = self.check_tokens(x, grid_size, num_prefix_tokens, self.pos_embed.shape[-1])
         if num_prefix_tokens != self.num_prefix_tokens:
             raise ValueError(
                 f"learned table was built for {self.num_prefix_tokens} prefix tokens, got {num_prefix_tokens}"

@@ -18,6 +18,8 @@ class NoPosEmbed(AbsolutePositionEncoding):
 
     def __init__(self, dim: int, num_heads: int, depth: int = 1) -> None:
         super().__init__()
+        self.dim = dim
 
     def forward(self, x: torch.Tensor, grid_size: tuple[int, ...], num_prefix_tokens: int) -> torch.Tensor:
+        self.check_tokens(x, grid_size, num_prefix_tokens, self.dim)  # nothing to add, but the input must fit
         return x

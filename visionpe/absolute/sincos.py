@@ -9,6 +9,8 @@ table is rebuilt on integer positions (``resize='recompute'``) or resampled from
 
 from __future__ import annotations
 
+import math
+
 import torch
 from timm.layers import resample_abs_pos_embed
 
@@ -59,6 +61,8 @@ class SinCosPosEmbed(AbsolutePositionEncoding):
             raise ValueError(f"sincos needs dim divisible by 4, got dim={dim}")
         if resize not in ("recompute", "interpolate"):
             raise ValueError(f"resize must be 'recompute' or 'interpolate', got {resize!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
+            raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
         self.dim, self.temperature, self.resize = dim, temperature, resize
         self.grid_size = validate_grid_size(grid_size, ndims=(2,))
 
@@ -78,5 +82,6 @@ class SinCosPosEmbed(AbsolutePositionEncoding):
         )[0]
 
     def forward(self, x: torch.Tensor, grid_size: tuple[int, ...], num_prefix_tokens: int) -> torch.Tensor:
+        grid_size = self.check_tokens(x, grid_size, num_prefix_tokens, self.dim)
         pe = self.table(grid_size, x.device).to(x.dtype)
         return torch.cat([x[:, :num_prefix_tokens], x[:, num_prefix_tokens:] + pe], dim=1)

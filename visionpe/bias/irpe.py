@@ -77,7 +77,11 @@ def irpe_piecewise_index(rel: torch.Tensor, alpha: float, beta: float, gamma: fl
         raise ValueError(f"beta must be >= alpha, got alpha={alpha}, beta={beta}")
     if gamma <= alpha:
         raise ValueError(f"gamma must be > alpha, got alpha={alpha}, gamma={gamma}")
+    if rel.is_complex():
+        raise TypeError(f"rel must be a real tensor, got dtype {rel.dtype}")
     rel = rel.to(torch.float64)
+    if not torch.compiler.is_compiling() and not torch.isfinite(rel).all():  # no data-dependent branch in graphs
+        raise ValueError("rel must be finite, got NaN or inf relative positions")
     rel_abs = rel.abs()
     far = alpha + torch.log(rel_abs.clamp_min(alpha) / alpha) / math.log(gamma / alpha) * (beta - alpha)
     far = torch.sign(rel) * far.round().clamp_max(beta)
@@ -281,6 +285,11 @@ class IRPE(BiasPositionEncoding):
         ids = gather_offsets(state.table, state.offset_index(rows, cols))
         return ids.add_(torch.arange(len(rows), device=ids.device, dtype=ids.dtype)[:, None] * self.num_buckets)
 
+    def _check_layer(self, layer: int) -> None:
+        depth = next(iter(self.tables.values())).shape[0]
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < depth:
+            raise ValueError(f"layer must be an int in [0, depth={depth}), got {layer!r}")
+
     def _check_rows(self, x: torch.Tensor, state: IRPEState, name: str, rows: slice | None) -> int:
         expected = len(query_rows(rows, state.num_tokens))
         if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[-2] != expected or x.shape[-1] != self.head_dim:
@@ -300,6 +309,7 @@ class IRPE(BiasPositionEncoding):
         """
         num_rows = self._check_rows(q, state, "q", rows)
         self._check_rows(k, state, "k", None)
+        self._check_layer(layer)
         selected, every = query_rows(rows, state.num_tokens), range(state.num_tokens)
         flat = self._flat_ids(state, selected, every)
         bias = None
@@ -326,6 +336,7 @@ class IRPE(BiasPositionEncoding):
         """
         if "v" not in self.on:
             return super().value_term(attn, state, layer)
+        self._check_layer(layer)
         n = state.num_tokens
         selected = query_rows(rows, n)
         num_rows = len(selected)

@@ -50,7 +50,12 @@ def _filter_fn(state_dict, model):
     if "model" in state_dict:
         state_dict = state_dict["model"]
     if any(k.startswith("pos_schemes.") for k in state_dict):
-        return state_dict  # already a visionpe checkpoint
+        # already a visionpe checkpoint: only a learned table from another grid changes (resampled); every other
+        # key goes to timm's loader as it is, so that a mismatch still fails loudly
+        learned = "pos_schemes.learned.pos_embed"
+        if learned in state_dict and learned in model.state_dict():
+            return {**state_dict, **convert_timm_state_dict({learned: state_dict[learned]}, model)[0]}
+        return state_dict
     return convert_timm_state_dict(state_dict, model)[0]
 
 

@@ -32,7 +32,9 @@ def convert_timm_state_dict(
 
     Weights whose name and shape match are kept. The absolute table ``pos_embed`` goes to the model's
     ``learned`` scheme, resampled to its grid (prefix rows kept or dropped to match), or is dropped when the
-    model has no learned table. Returns the new state dict and a report.
+    model has no learned table. A visionpe checkpoint's own table (``pos_schemes.learned.pos_embed``) from
+    another grid, e.g. trained at 224 and loaded into a model built for 384, is resampled the same way.
+    Returns the new state dict and a report.
     """
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
@@ -41,10 +43,14 @@ def convert_timm_state_dict(
     state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
     target = model.state_dict()
     out, report = {}, LoadReport()
+    new_key = "pos_schemes.learned.pos_embed"
+    table = target.get(new_key)
     for key, value in state_dict.items():
-        if key == "pos_embed" and "learned" in model.pos_schemes:
+        if table is not None and (key == "pos_embed" or (key == new_key and value.shape != table.shape)):
+            if value.ndim != 3 or value.shape[0] != 1 or value.shape[2] != table.shape[2]:
+                report.dropped.append(f"{key} (shape {tuple(value.shape)} cannot fill {new_key} {tuple(table.shape)})")
+                continue
             learned = model.pos_schemes["learned"]
-            new_key = "pos_schemes.learned.pos_embed"
             num_src_prefix, src_grid = _infer_grid(value.shape[1], model.num_prefix_tokens)
             prefix, patches = value[:, :num_src_prefix], value[:, num_src_prefix:]
             if src_grid != learned.grid_size:
@@ -59,7 +65,7 @@ def convert_timm_state_dict(
                 report.resampled.append(f"{key} -> {new_key} ({src_grid} -> {learned.grid_size})")
             prefix = prefix[:, : learned.num_embed_prefix]
             if prefix.shape[1] < learned.num_embed_prefix:  # e.g. registers the source model did not have
-                prefix = torch.cat([prefix, target[new_key][:, prefix.shape[1] : learned.num_embed_prefix]], 1)
+                prefix = torch.cat([prefix, table[:, prefix.shape[1] : learned.num_embed_prefix]], 1)
             out[new_key] = torch.cat([prefix, patches], dim=1)
         elif key in target and target[key].shape == value.shape:
             out[key] = value

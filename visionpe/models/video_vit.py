@@ -78,9 +78,7 @@ class VideoPEViT(VisionPEViT):
         super().__init__(embed_layer=embed_layer, **kwargs)
 
     def _check_input(self, x: torch.Tensor) -> None:
-        if not isinstance(x, torch.Tensor) or x.ndim != 5:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be a clip batch (B, C, T, H, W), got {shape}")
+        self._check_batch(x, "B, C, T, H, W")
         frames, height, width = x.shape[-3:]
         ph, pw = self.patch_embed.patch_size
         ts = self.patch_embed.tubelet_size

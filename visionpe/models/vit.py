@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from timm.layers import to_2tuple
 from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
@@ -21,7 +22,7 @@ from ..attention import PosBlock, PositionContext
 from ..base import AbsolutePositionEncoding
 from ..registry import create_pos_embed, get_scheme_class
 
-__all__ = ["VisionPEViT", "normalize_schemes"]
+__all__ = ["VisionPEViT", "normalize_schemes", "check_img_size"]
 
 
 def normalize_schemes(
@@ -31,16 +32,16 @@ def normalize_schemes(
 
     ``pos_embed_kwargs`` is either keyed by scheme name or, for a single scheme, the options themselves.
     """
-    names = [pos_embed] if isinstance(pos_embed, str) else list(pos_embed) if pos_embed is not None else None
+    names = [pos_embed] if isinstance(pos_embed, str) else list(pos_embed) if isinstance(pos_embed, Sequence) else None
     if not names or not all(isinstance(n, str) for n in names):
         raise TypeError(f"pos_embed must be a scheme name or a non-empty list of names, got {pos_embed!r}")
     if len(set(names)) != len(names):
         raise ValueError(f"pos_embed lists a scheme twice: {names}")
     for name in names:
         get_scheme_class(name)  # raises on unknown names, listing the valid ones
-    kwargs = dict(pos_embed_kwargs or {})
     if not isinstance(pos_embed_kwargs or {}, dict):
         raise TypeError(f"pos_embed_kwargs must be a dict, got {type(pos_embed_kwargs).__name__}")
+    kwargs = dict(pos_embed_kwargs or {})
     if not kwargs or all(k in names for k in kwargs):
         per_scheme = kwargs
     elif len(names) == 1:
@@ -53,6 +54,25 @@ def normalize_schemes(
         if not isinstance(opts, dict):
             raise TypeError(f"pos_embed_kwargs[{name!r}] must be a dict, got {type(opts).__name__}")
     return {name: dict(per_scheme.get(name, {})) for name in names}
+
+
+def check_img_size(img_size: Any, patch_size: Any, dynamic_img_pad: bool = False) -> None:
+    """ValueError unless ``img_size`` is positive ints divisible by ``patch_size`` (or ``dynamic_img_pad`` pads).
+
+    Without padding, a size that is not a multiple of the patch would silently drop the last pixel rows or columns.
+    """
+    if img_size is None:  # timm allows it for fully dynamic models
+        return
+    sizes, patches = to_2tuple(img_size), to_2tuple(patch_size)
+    for name, values in (("img_size", sizes), ("patch_size", patches)):
+        if len(values) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values):
+            raise ValueError(f"{name} must be a positive int or (H, W) pair of positive ints, got {values!r}")
+    if not dynamic_img_pad and (sizes[0] % patches[0] or sizes[1] % patches[1]):
+        raise ValueError(
+            f"img_size {tuple(sizes)} is not divisible by the patch size {tuple(patches)}: the last pixel rows or "
+            "columns would be dropped; choose a multiple of the patch size or create the model with "
+            "dynamic_img_pad=True"
+        )
 
 
 class VisionPEViT(VisionTransformer):
@@ -82,6 +102,7 @@ class VisionPEViT(VisionTransformer):
             if key in kwargs:
                 raise ValueError(f"{key} is set by VisionPEViT, got {key}={kwargs[key]!r}")
         super().__init__(pos_embed="none", block_fn=PosBlock, **kwargs)
+        check_img_size(self.patch_embed.img_size, self.patch_embed.patch_size, self.patch_embed.dynamic_img_pad)
         depth, num_heads = len(self.blocks), self.blocks[0].attn.num_heads
         grid_size = tuple(self.patch_embed.grid_size)
         context = {"grid_size": grid_size, "num_prefix_tokens": self.num_prefix_tokens, "ndim": len(grid_size)}
@@ -108,10 +129,22 @@ class VisionPEViT(VisionTransformer):
             ctx.bias.append((scheme, scheme.prepare(scheme.check_grid(grid_size), self.num_prefix_tokens, device)))
         return ctx
 
-    def _check_input(self, x: torch.Tensor) -> None:
-        if not isinstance(x, torch.Tensor) or x.ndim != 4:
+    def _check_batch(self, x: torch.Tensor, layout: str) -> None:
+        """Rank, dtype, batch size and channels of an input batch laid out as ``layout`` (e.g. "B, C, H, W")."""
+        if not isinstance(x, torch.Tensor) or x.ndim != len(layout.split(", ")):
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be an image batch (B, C, H, W), got {shape}")
+            raise ValueError(f"x must be a batch ({layout}), got {shape}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point batch ({layout}), got dtype {x.dtype}")
+        channels = self.patch_embed.proj.in_channels
+        if x.shape[0] == 0 or x.shape[1] != channels or min(x.shape[2:]) == 0:
+            raise ValueError(
+                f"x must be a non-empty batch ({layout}) with B >= 1, C = {channels} and sizes >= 1, "
+                f"got {tuple(x.shape)}"
+            )
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        self._check_batch(x, "B, C, H, W")
         height, width = x.shape[-2:]
         ph, pw = self.patch_embed.patch_size
         if self.dynamic_img_size:
@@ -207,6 +240,11 @@ class VisionPEViT(VisionTransformer):
     @torch.jit.ignore
     def set_input_size(self, img_size=None, patch_size=None) -> None:
         """timm's ``set_input_size``; learned tables are resampled, rotary tables follow the grid by design."""
+        check_img_size(
+            self.patch_embed.img_size if img_size is None else img_size,
+            self.patch_embed.patch_size if patch_size is None else patch_size,
+            self.patch_embed.dynamic_img_pad,
+        )
         super().set_input_size(img_size=img_size, patch_size=patch_size)
         for scheme in self.pos_schemes.values():
             scheme.set_grid_size(tuple(self.patch_embed.grid_size))

@@ -33,10 +33,14 @@ def circle_rope_design(
     """
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
         raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
-    if radius != "auto" and (isinstance(radius, bool) or not isinstance(radius, (int, float)) or radius <= 0):
-        raise ValueError(f"radius must be a positive number or 'auto', got {radius!r}")
+    if radius != "auto" and (
+        isinstance(radius, bool) or not isinstance(radius, (int, float)) or not 0 < radius < math.inf
+    ):
+        raise ValueError(f"radius must be a positive finite number or 'auto', got {radius!r}")
     if isinstance(image_shift, bool) or not isinstance(image_shift, (int, float)):
         raise TypeError(f"image_shift must be a number, got {type(image_shift).__name__}")
+    if not math.isfinite(image_shift):
+        raise ValueError(f"image_shift must be finite, got {image_shift}")
     if layout.block_is_video.any():
         g = int(layout.block_is_video.nonzero()[0])
         raise ValueError(

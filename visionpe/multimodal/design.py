@@ -210,6 +210,10 @@ def parse_layout(
             f"token_type_ids must be a (B, L) integer tensor, got shape {tuple(token_type_ids.shape)} "
             f"and dtype {token_type_ids.dtype}"
         )
+    if 0 in token_type_ids.shape:
+        raise ValueError(
+            f"token_type_ids must hold at least one sample and one token, got shape {tuple(token_type_ids.shape)}"
+        )
     if isinstance(spatial_merge_size, bool) or not isinstance(spatial_merge_size, int) or spatial_merge_size < 1:
         raise ValueError(f"spatial_merge_size must be a positive int, got {spatial_merge_size!r}")
     device = token_type_ids.device
@@ -229,7 +233,19 @@ def parse_layout(
             raise ValueError(
                 f"attention_mask must be a (B, L) tensor like token_type_ids {tuple(types.shape)}, got {shape}"
             )
+        not_binary = (attention_mask != 0) & (attention_mask != 1)  # NaN included
+        if not_binary.any():
+            b, l = not_binary.nonzero()[0].tolist()
+            raise ValueError(
+                f"attention_mask must hold 1 (token) or 0 (padding), got {attention_mask[b, l].item()} in sample {b} "
+                f"at position {l}"
+            )
         valid = attention_mask.to(device) != 0
+        if not valid.any(1).all():
+            b = int((~valid.any(1)).nonzero()[0])
+            raise ValueError(
+                f"attention_mask marks every token of sample {b} as padding; each sample needs at least one token"
+            )
     image = _check_grid(image_grid_thw, "image_grid_thw", spatial_merge_size, device)
     video = _check_grid(video_grid_thw, "video_grid_thw", spatial_merge_size, device)
     pad = ~valid
@@ -361,7 +377,7 @@ def assemble_positions(
     else:
         values = torch.stack([start + local[r] if anchor else local[r] for r, anchor in enumerate(anchored)])
     # Next decoding position: the cursor after the last token, or one past a visual position above it (a
-    # video's time row under the "spatial_extent" rule). Samples without tokens decode from 0.
+    # video's time row under the "spatial_extent" rule).
     next_position = inc.sum(1)
     if values.numel():
         rows = values if len(design.delta_rows) == num_rows else values[list(design.delta_rows)]

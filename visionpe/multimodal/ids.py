@@ -6,6 +6,7 @@ the position-design half of a scheme; :class:`~visionpe.multimodal.MultimodalRot
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -65,6 +66,8 @@ def get_position_ids(
         raise ValueError(f"delta_convention must be one of {DELTA_CONVENTIONS}, got {delta_convention!r}")
     if isinstance(pad_value, bool) or not isinstance(pad_value, (int, float)):
         raise TypeError(f"pad_value must be a number, got {type(pad_value).__name__}")
+    if not math.isfinite(pad_value):
+        raise ValueError(f"pad_value must be finite (it becomes a rotary position), got {pad_value}")
     entry.check_options(scheme_kwargs)
     layout = parse_layout(token_type_ids, image_grid_thw, video_grid_thw, attention_mask, spatial_merge_size)
     design = entry.design(layout, **scheme_kwargs)

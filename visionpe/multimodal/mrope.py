@@ -15,6 +15,8 @@ exceeds the spatial one, where the 5.x rule places the next text inside the vide
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .design import DesignOutput, VisualLayout, block_max_plus_one
@@ -58,8 +60,8 @@ def mrope_abs_time_design(
     """
     if isinstance(tokens_per_second, bool) or not isinstance(tokens_per_second, (int, float)):
         raise TypeError(f"tokens_per_second must be a number, got {type(tokens_per_second).__name__}")
-    if tokens_per_second <= 0:
-        raise ValueError(f"tokens_per_second must be positive, got {tokens_per_second}")
+    if not 0 < tokens_per_second < math.inf:
+        raise ValueError(f"tokens_per_second must be positive and finite, got {tokens_per_second}")
     if not isinstance(fractional_time, bool):
         raise TypeError(f"fractional_time must be a bool, got {type(fractional_time).__name__}")
     num_videos = int(layout.block_is_video.sum())
@@ -71,10 +73,17 @@ def mrope_abs_time_design(
         )
     interval = torch.zeros(layout.num_blocks, dtype=torch.float64, device=device)
     if num_videos:
-        spg = torch.as_tensor(second_per_grid_ts, dtype=torch.float64, device=device).flatten()
-        if spg.numel() != num_videos or (spg < 0).any():
+        try:
+            spg = torch.as_tensor(second_per_grid_ts, dtype=torch.float64, device=device).flatten()
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise TypeError(
+                f"second_per_grid_ts must be a tensor or list of {num_videos} numbers, got "
+                f"{type(second_per_grid_ts).__name__}"
+            ) from err
+        if spg.numel() != num_videos or (spg < 0).any() or not torch.isfinite(spg).all():
             raise ValueError(
-                f"second_per_grid_ts must hold {num_videos} non-negative values (one per video), got {spg.tolist()}"
+                f"second_per_grid_ts must hold {num_videos} non-negative finite values (one per video), "
+                f"got {spg.tolist()}"
             )
         is_video = layout.block_is_video
         interval[is_video] = spg[layout.block_video[is_video]] * float(tokens_per_second)

@@ -10,6 +10,7 @@ Angles are computed in fp32 with autocast off.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -53,8 +54,12 @@ class MultimodalRotary(nn.Module):
         super().__init__()
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
             raise ValueError(f"head_dim must be a positive even int, got {head_dim!r}")
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or base <= 1:
-            raise ValueError(f"base must be a number > 1, got {base!r}")
+        if isinstance(base, bool) or not isinstance(base, (int, float)) or not 1 < base < math.inf:
+            raise ValueError(f"base must be a finite number > 1, got {base!r}")
+        if isinstance(attention_scaling, bool) or not isinstance(attention_scaling, (int, float)):
+            raise TypeError(f"attention_scaling must be a number, got {type(attention_scaling).__name__}")
+        if not 0 < attention_scaling < math.inf:
+            raise ValueError(f"attention_scaling must be positive and finite, got {attention_scaling!r}")
         if isinstance(allocation, str):
             allocation = build_allocation(
                 allocation, num_pairs=head_dim // 2, num_kv_heads=num_kv_heads, **allocation_kwargs
@@ -71,10 +76,24 @@ class MultimodalRotary(nn.Module):
             )
         self.head_dim, self.base, self.attention_scaling = head_dim, float(base), float(attention_scaling)
         self.per_head = allocation.per_head
+        self._mix = allocation.mix.float()  # kept to rebuild the buffer in fp32 (see _apply)
+        self.register_buffer("inv_freq", self._inv_freq(self.base, head_dim), persistent=False)
+        self.register_buffer("mix", self._mix.clone(), persistent=False)
+
+    def _apply(self, fn, *args, **kwargs):
+        module = super()._apply(fn, *args, **kwargs)
+        # model.to(bfloat16) casts every floating buffer; the frequencies are rebuilt in fp32, since angles grow
+        # with position (bf16 inverse frequencies would cost radians at position 1e6), as timm does for its bands
+        if torch.finfo(self.inv_freq.dtype).bits < 32:
+            device = self.inv_freq.device
+            self.register_buffer("inv_freq", self._inv_freq(self.base, self.head_dim).to(device), persistent=False)
+            self.register_buffer("mix", self._mix.to(device), persistent=False)
+        return module
+
+    @staticmethod
+    def _inv_freq(base: float, head_dim: int) -> torch.Tensor:
         # Same expression as transformers' default RoPE, so that the tables match it bit for bit.
-        inv_freq = 1.0 / (self.base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("mix", allocation.mix.float(), persistent=False)
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
 
     @classmethod
     def from_scheme(cls, scheme: str, head_dim: int, *, base: float = 10000.0, **kwargs: Any) -> MultimodalRotary:
@@ -87,10 +106,18 @@ class MultimodalRotary(nn.Module):
         """fp32 angles (B, L, D/2), or (B, H_kv, L, D/2) per head, from ids (3, B, L) or (B, L)."""
         if not isinstance(position_ids, torch.Tensor):
             raise TypeError(f"position_ids must be a tensor, got {type(position_ids).__name__}")
+        if position_ids.dtype == torch.bool or position_ids.is_complex():
+            raise TypeError(f"position_ids must be integer or floating point, got dtype {position_ids.dtype}")
         if position_ids.ndim == 2:
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
-        if position_ids.ndim != 3 or position_ids.shape[0] != 3:
-            raise ValueError(f"position_ids must be (3, B, L) or (B, L), got {tuple(position_ids.shape)}")
+        if position_ids.ndim != 3 or position_ids.shape[0] != 3 or 0 in position_ids.shape:
+            raise ValueError(f"position_ids must be (3, B, L) or (B, L), non-empty, got {tuple(position_ids.shape)}")
+        if (
+            position_ids.is_floating_point()
+            and not torch.compiler.is_compiling()  # no data-dependent branch in compiled or exported graphs
+            and not torch.isfinite(position_ids).all()
+        ):
+            raise ValueError("position_ids must be finite, got NaN or inf")
         with torch.autocast(position_ids.device.type, enabled=False):
             pos = position_ids.float().permute(1, 2, 0)  # (B, L, 3)
             # Elementwise product and sum rather than a matmul: exact for one-hot rows, no TF32.
@@ -126,11 +153,25 @@ def apply_multimodal_rotary(
     Tables (B, L, D_r) apply to every head; per-head tables (B, H_kv, L, D_r) go to the KV heads directly
     and to query head g through KV head g // (H_q / H_kv). With D_r < D only the first D_r channels rotate.
     """
+    for name, x in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
     for name, x in (("q", q), ("k", k)):
-        if not isinstance(x, torch.Tensor) or x.ndim != 4:
-            raise ValueError(f"{name} must be (B, H, L, D), got {getattr(x, 'shape', type(x).__name__)}")
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be (B, H, L, D), got {tuple(x.shape)}")
     if cos.shape != sin.shape or cos.ndim not in (3, 4):
-        raise ValueError(f"cos and sin must share shape (B, L, D) or (B, H_kv, L, D), got {cos.shape}, {sin.shape}")
+        raise ValueError(
+            f"cos and sin must share shape (B, L, D) or (B, H_kv, L, D), got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
+    batch, length, rotated = cos.shape[0], cos.shape[-2], cos.shape[-1]
+    for name, x in (("q", q), ("k", k)):
+        if x.shape[2] != length or batch not in (1, x.shape[0]) or rotated % 2 or rotated > x.shape[-1]:
+            raise ValueError(
+                f"{name} {tuple(x.shape)} does not fit tables {tuple(cos.shape)}: it needs L = {length} tokens, "
+                f"batch {batch} (or tables of batch 1) and at least the {rotated} rotated channels (an even count)"
+            )
     if cos.ndim == 3:
         cos_q = cos_k = cos.unsqueeze(1)
         sin_q = sin_k = sin.unsqueeze(1)
@@ -140,7 +181,6 @@ def apply_multimodal_rotary(
         group = q.shape[1] // k.shape[1]
         cos_k, sin_k = cos, sin
         cos_q, sin_q = cos.repeat_interleave(group, dim=1), sin.repeat_interleave(group, dim=1)
-    rotated = cos.shape[-1]
 
     def rotate(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         c, s = c.to(x.dtype), s.to(x.dtype)

@@ -20,7 +20,7 @@ V2PE_DELTAS = tuple(1.0 / 2**k for k in range(9))
 
 
 def per_sample_value(layout: VisualLayout, value: float | torch.Tensor, name: str) -> torch.Tensor:
-    """(G,) float64 value per block from a number or a (B,) per-sample tensor; must be positive."""
+    """(G,) float64 value per block from a number or a (B,) per-sample tensor; must be positive and finite."""
     if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
         raise TypeError(f"{name} must be a number or a (B,) tensor, got {type(value).__name__}")
     device = layout.block_thw.device
@@ -29,8 +29,8 @@ def per_sample_value(layout: VisualLayout, value: float | torch.Tensor, name: st
         tensor = tensor.expand(layout.batch_size)
     if tensor.shape != (layout.batch_size,):
         raise ValueError(f"{name} must be a number or a ({layout.batch_size},) tensor, got {tuple(tensor.shape)}")
-    if not (tensor > 0).all():
-        raise ValueError(f"{name} must be positive, got {tensor.tolist()}")
+    if not ((tensor > 0) & torch.isfinite(tensor)).all():
+        raise ValueError(f"{name} must be positive and finite, got {tensor.tolist()}")
     return tensor[layout.block_sample]
 
 

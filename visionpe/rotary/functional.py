@@ -65,9 +65,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         >>> apply_rotary(x, cos, sin).round(decimals=6) + 0.0  # + 0.0 turns -0. into 0.
         tensor([[0., 1.]])
     """
-    if x.dtype == torch.float32 and not torch.onnx.is_in_onnx_export():
+    if x.dtype == torch.float32 and not torch.onnx.is_in_onnx_export() and not torch.compiler.is_compiling():
         # fp32 fast path: one complex product per element, forward and backward (about 1.5x the real form on
-        # CPU); pairs (2j, 2j+1) are the real and imaginary parts, the table is cos + i sin.
+        # CPU); pairs (2j, 2j+1) are the real and imaginary parts, the table is cos + i sin. Compiled graphs take
+        # the real form: inductor fuses it, has no complex kernels, and the layout checks below would break the graph.
         freqs_cis = torch.complex(cos[..., ::2].float(), sin[..., 1::2].float())
         pairs = x.unflatten(-1, (-1, 2))
         if pairs.stride(-1) != 1 or pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):

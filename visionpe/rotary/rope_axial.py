@@ -9,6 +9,7 @@ Nothing is learned; on a larger grid the table is rebuilt on integer positions (
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -16,7 +17,14 @@ import torch
 from ..registry import register_scheme
 from .base import LinearRotary
 
-__all__ = ["RopeAxial", "axial_frequencies"]
+__all__ = ["RopeAxial", "axial_frequencies", "check_base"]
+
+
+def check_base(base: float) -> float:
+    """The frequency base of a rotary scheme as a float; ValueError unless it is a positive finite number."""
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not 0 < base < math.inf:
+        raise ValueError(f"base must be positive and finite, got {base!r}")
+    return float(base)
 
 
 def axial_frequencies(head_dim: int, base: float, axis_pairs: Sequence[int]) -> torch.Tensor:
@@ -79,10 +87,17 @@ class RopeAxial(LinearRotary):
             axis_pairs = (n_x, pairs - n_t - n_x) + ((n_t,) if ndim == 3 else ())
         if len(axis_pairs) != ndim:
             raise ValueError(f"axis_pairs must have {ndim} entries for ndim={ndim}, got {tuple(axis_pairs)}")
-        if not base > 0:
-            raise ValueError(f"base must be positive, got {base!r}")
-        self.base, self.axis_pairs = float(base), tuple(axis_pairs)
+        self.base, self.axis_pairs = check_base(base), tuple(axis_pairs)
         self.register_buffer("freqs", axial_frequencies(self.head_dim, base, axis_pairs), persistent=False)
 
     def frequencies(self) -> torch.Tensor:
         return self.freqs[None, None]
+
+    def _apply(self, fn, *args, **kwargs):
+        module = super()._apply(fn, *args, **kwargs)
+        # model.to(bfloat16) casts every floating buffer; fixed frequencies are rebuilt in fp32 (angles grow with
+        # position, so bf16 frequencies would cost ~0.1 rad at x = 63), as timm does for its rotary bands
+        if torch.finfo(self.freqs.dtype).bits < 32:
+            freqs = axial_frequencies(self.head_dim, self.base, self.axis_pairs).to(self.freqs.device)
+            self.register_buffer("freqs", freqs, persistent=False)
+        return module

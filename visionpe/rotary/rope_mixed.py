@@ -17,6 +17,7 @@ from torch import nn
 
 from ..registry import register_scheme
 from .base import LinearRotary
+from .rope_axial import check_base
 
 __all__ = ["RopeMixed", "init_mixed_frequencies"]
 
@@ -63,7 +64,7 @@ class RopeMixed(LinearRotary):
         yarn_beta: float = 32.0,
     ) -> None:
         super().__init__(dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta)
-        self.base = float(base)
+        self.base = check_base(base)
         self.freqs = nn.Parameter(init_mixed_frequencies(self.head_dim, depth, num_heads, base, ndim))
 
     def frequencies(self) -> torch.Tensor:

@@ -170,6 +170,9 @@ class Extrapolation(nn.Module):
             )
         if train_grid_size is not None:
             self.train_grid_size = validate_grid_size(train_grid_size, "train_grid_size")
+        for arg, value in (("alpha", alpha), ("beta", beta)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise TypeError(f"yarn {arg} must be a number, got {type(value).__name__} ({value!r})")
         alpha = self.yarn_alpha if alpha is None else float(alpha)
         beta = self.yarn_beta if beta is None else float(beta)
         if not (math.isfinite(alpha) and math.isfinite(beta) and beta > alpha):

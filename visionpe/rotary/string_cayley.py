@@ -15,10 +15,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..base import check_coords
+from ..base import check_rotate_input
 from ..registry import register_scheme
 from .base import LinearRotary
-from .rope_axial import axial_frequencies
+from .rope_axial import axial_frequencies, check_base
 from .skew_exp import skew_from_params
 
 __all__ = ["StringBase", "StringCayley", "cayley_orthogonal", "fold_string_"]
@@ -49,7 +49,14 @@ class StringBase(LinearRotary):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # the buffer keeps the flag in checkpoints; forward reads the Python copy, so that torch.export and
+        # torch.compile see no data-dependent branch
         self.register_buffer("folded", torch.zeros((), dtype=torch.bool))
+        self.is_folded = False
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.is_folded = bool(self.folded)
 
     def string_basis(self) -> torch.Tensor:
         """(depth | 1, num_heads | 1, head_dim, head_dim) orthogonal P, applied before RoPE."""
@@ -62,7 +69,7 @@ class StringBase(LinearRotary):
     def prepare(self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None):
         """(RoPE state of :meth:`LinearRotary.prepare`, P for every layer or None once folded)."""
         rotary = super().prepare(coords, num_prefix_tokens, grid_size)
-        basis = None if bool(self.folded) else self.string_basis()
+        basis = None if self.is_folded else self.string_basis()
         return rotary, basis
 
     def apply(self, qk: torch.Tensor, state, layer: int) -> torch.Tensor:
@@ -74,21 +81,12 @@ class StringBase(LinearRotary):
 
     def rotate(self, x: torch.Tensor, coords: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """R(r) x for ``x`` (B, num_heads, N, head_dim) at ``coords`` (N, ndim), folded or not."""
-        if not isinstance(x, torch.Tensor) or x.ndim != 4:
-            raise ValueError(f"x must be a (B, num_heads, N, head_dim) tensor, got {getattr(x, 'shape', type(x))}")
-        rotary = LinearRotary.prepare(self, _checked(self, x, coords), 0)
+        rotary = LinearRotary.prepare(self, check_rotate_input(self, x, coords, layer), 0)
         basis = self.string_basis()
         basis = basis[layer] if basis.shape[0] > 1 else basis[0]
         out = LinearRotary.apply(self, x @ basis.to(x.dtype).transpose(-1, -2), rotary, layer)
         out_basis = self.rotation_output_basis()
         return out if out_basis is None else out @ out_basis.to(x.dtype)
-
-
-def _checked(scheme: StringBase, x: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
-    coords = check_coords(coords, scheme.ndims, type(scheme).__name__)
-    if coords.shape[0] != x.shape[2]:
-        raise ValueError(f"coords has {coords.shape[0]} rows but x has {x.shape[2]} tokens (dim 2)")
-    return coords.to(x.device)
 
 
 @register_scheme("string_cayley")
@@ -119,8 +117,7 @@ class StringCayley(StringBase):
         yarn_beta: float = 32.0,
     ) -> None:
         super().__init__(dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta)
-        if not base > 0:
-            raise ValueError(f"base must be positive, got {base!r}")
+        check_base(base)
         pairs = self.head_dim // 2
         n_t = pairs // 4 if ndim == 3 else 0
         n_x = (pairs - n_t) // 2
@@ -161,7 +158,7 @@ def fold_string_(model: nn.Module) -> nn.Module:
     if len(schemes) > 1:
         raise ValueError(f"fold_string_ folds one STRING scheme per model, found {len(schemes)}")
     scheme = schemes[0]
-    if bool(scheme.folded):
+    if scheme.is_folded:
         raise ValueError(f"{type(scheme).__name__} is already folded into the q/k projections")
     attentions = [m for m in model.modules() if isinstance(m, PosAttention)]
     if not attentions:
@@ -187,4 +184,5 @@ def fold_string_(model: nn.Module) -> nn.Module:
                     bias = attn.qkv.bias[start : start + width].view(heads, head_dim, 1)
                     attn.qkv.bias[start : start + width] = (p @ bias).reshape(width)
         scheme.folded.fill_(True)
+        scheme.is_folded = True
     return model

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..base import check_coords
 from ..registry import register_scheme
-from .rope_axial import axial_frequencies
+from .rope_axial import axial_frequencies, check_base
 from .string_cayley import StringBase
 
 __all__ = ["StringCirculant", "fourier_basis", "circulant_string_fft", "circulant_generator"]
@@ -107,8 +107,7 @@ class StringCirculant(StringBase):
         yarn_beta: float = 32.0,
     ) -> None:
         super().__init__(dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta)
-        if not base > 0:
-            raise ValueError(f"base must be positive, got {base!r}")
+        check_base(base)
         bins = self.head_dim // 2 - 1  # rotating bins 1..d/2-1; DC and Nyquist are real and stay fixed
         if bins < ndim:
             raise ValueError(f"head_dim={self.head_dim} leaves {bins} rotating bins for {ndim} axes")

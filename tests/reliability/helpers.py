@@ -1,0 +1,39 @@
+"""Tiny models and per-kind scheme calls shared by the reliability tests."""
+
+from __future__ import annotations
+
+import timm
+import torch
+
+import visionpe
+from visionpe.rotary.base import LinearRotary
+from visionpe.rotary.string_cayley import StringBase
+
+ALL_SCHEMES = visionpe.list_schemes()
+ROTARY = visionpe.list_schemes("rotary")
+LIE = ["comrope_ap", "comrope_ld", "liere"]  # exp(sum p_a A_a) in 8 x 8 blocks (visionpe/rotary/skew_exp.py)
+
+
+def tiny_vit(pos_embed, img_size=32, patch_size=8, **kwargs) -> visionpe.VisionPEViT:
+    """One block, width 32, two heads of 16 channels; a 4 x 4 patch grid at 32 px."""
+    args = dict(depth=1, embed_dim=32, num_heads=2, num_classes=3, img_size=img_size, patch_size=patch_size)
+    return timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=pos_embed, **{**args, **kwargs})
+
+
+def perturb_(module: torch.nn.Module, scale: float = 0.05, seed: int = 0) -> torch.nn.Module:
+    """Move every parameter away from its init (zero tables, identity STRING bases) so that it matters."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(scale * torch.randn(param.shape, generator=gen).to(param.dtype))
+    return module
+
+
+def position_tables(scheme, coords: torch.Tensor, num_prefix_tokens: int, grid_size, layer: int) -> list:
+    """The position-dependent tensors a rotary scheme multiplies q and k with: cos/sin tables (and STRING's basis
+    P), or the block rotations of LieRE/ComRoPE."""
+    state = scheme.prepare(coords, num_prefix_tokens, grid_size=grid_size)
+    if isinstance(scheme, LinearRotary):
+        rotary, basis = state if isinstance(scheme, StringBase) else (state, None)
+        return [*scheme.layer_tables(rotary, layer), *([] if basis is None else [basis])]
+    return [scheme.rotations(state[0], layer)]

@@ -1,0 +1,192 @@
+"""torch.compile (default backend, inductor on CPU): every scheme and the multimodal rotary match eager to 1e-4 in
+forward and gradients, a training step (new parameter values) reuses the graph, and a new input size runs on the
+same dynamic-shape graph or recompiles cleanly instead of failing.
+
+Each test compiles the smallest call that exercises the scheme (one scheme's prepare + apply, or one attention),
+forward and backward; the model test compiles a one-block ViT. ``torch._dynamo.reset()`` before every test keeps
+the compile caches of different schemes apart (a shared cache would fall back to eager after 8 entries).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch._inductor.exc import InductorError
+
+import visionpe
+from visionpe.multimodal import MultimodalRotary, apply_multimodal_rotary, get_position_ids
+
+from .helpers import ALL_SCHEMES, perturb_, tiny_vit
+
+# One graph with dynamic shapes (torch.compile(dynamic=True)) runs all three grids of a scheme; a parameter update
+# (a training step) reuses it too.
+SIZES = [(3, 4), (4, 6), (5, 3)]
+# Schemes that recompile (cleanly) for every new grid instead: iRPE caches its per-grid state in a dict keyed by the
+# grid, CPE's convolution specialises on it, the per-offset bias schemes build Python index ranges over the tokens,
+# and AOTAutograd fixes the token count of sincos and fourier tables added to tokens that require grad (their
+# inference graph is dynamic). ALiBi shares LookHere's per-offset code: one size keeps the suite short.
+RECOMPILE_PER_GRID = {"irpe", "cpe", "alibi2d", "lookhere", "sincos", "fourier"}
+ONE_SIZE = {"alibi2d"}
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+_COMROPE_COMPILE = (
+    "skew_exp._word_table calls nonzero on a constant index list, which inductor cannot lower "
+    "(DynamicOutputShapeException); fix reported (build the kept indices in Python). When this passes, move ComRoPE "
+    "into test_scheme_compiles_and_matches_eager."
+)
+COMROPE = ["comrope_ap", "comrope_ld"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _scheme_call(name):
+    """(scheme, fn(x, grid) -> tensor, input factory): one scheme's own computation, as the model runs it."""
+    kwargs = {"grid_size": (4, 4)} if name == "learned" else {}  # learned: other grids resample the table
+    scheme = perturb_(visionpe.create_pos_embed(name, dim=32, num_heads=2, depth=2, **kwargs))
+    if scheme.kind == "rotary":
+
+        def fn(qk, grid):
+            return scheme.apply(qk, scheme.prepare(scheme.coords(grid, qk.device), 1, grid_size=grid), 1)
+
+        return scheme, fn, lambda grid: torch.randn(2, 2, 2, 1 + grid[0] * grid[1], 16)
+    if scheme.kind == "bias":
+
+        def fn(q, grid):
+            bias = scheme.attn_bias(q, q, scheme.prepare(grid, 1, q.device), 1)
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=bias.to(q.dtype))
+
+        return scheme, fn, lambda grid: torch.randn(2, 2, 1 + grid[0] * grid[1], 16)
+
+    def fn(x, grid):
+        return scheme(x, grid, 1)
+
+    return scheme, fn, lambda grid: torch.randn(2, 1 + grid[0] * grid[1], 32)
+
+
+def _forward_backward(fn, module, x, *args):
+    """Output and gradients (input first, then every trainable parameter of ``module``) of a weighted sum."""
+    x = x.clone().requires_grad_(True)
+    out = fn(x, *args)
+    weights = torch.linspace(-1, 1, out.numel()).view(out.shape)
+    params = [p for p in module.parameters() if p.requires_grad]
+    return out, torch.autograd.grad((out * weights).sum(), [x, *params])
+
+
+def _check_compiled_matches_eager(fn, module, make_input, sizes, recompile: tuple[bool, ...]):
+    """Compiled (dynamic shapes) == eager, forward and every gradient, at each size; ``recompile[i]``: whether call
+    i may compile a new graph (else the stance fails on any recompile). Returns the compiled function."""
+    compiled = torch.compile(fn, dynamic=True)
+    for i, size in enumerate(sizes):
+        x = make_input(size)
+        ref, ref_grads = _forward_backward(fn, module, x, size)
+        with torch.compiler.set_stance("default" if recompile[i] else "fail_on_recompile"):
+            out, grads = _forward_backward(compiled, module, x, size)
+        torch.testing.assert_close(out, ref, **TOL, msg=lambda m, s=size: f"forward at {s}: {m}")
+        for j, (got, want) in enumerate(zip(grads, ref_grads, strict=True)):
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m, s=size, j=j: f"gradient {j} at {s}: {m}")
+    return compiled
+
+
+@pytest.mark.parametrize("name", [n for n in ALL_SCHEMES if n not in COMROPE + ["liere"]])
+def test_scheme_compiles_and_matches_eager(name):
+    torch.manual_seed(0)
+    scheme, fn, make_input = _scheme_call(name)
+    dynamic = name not in RECOMPILE_PER_GRID
+    sizes = SIZES[:1] if name in ONE_SIZE else SIZES if dynamic else SIZES[:2]
+    compiled = _check_compiled_matches_eager(fn, scheme, make_input, sizes, (True, not dynamic, not dynamic))
+    if name != "none":  # "none" adds nothing, so there is no graph
+        assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled (eager fallback)"
+    # a training step changes the parameters, not the graph
+    perturb_(scheme, seed=1)
+    x, size = make_input(sizes[-1]), sizes[-1]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out, grads = _forward_backward(compiled, scheme, x, size)
+    ref, ref_grads = _forward_backward(fn, scheme, x, size)
+    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(grads, ref_grads, **TOL)
+
+
+def test_liere_inference_compiles_and_recompiles_on_every_change():
+    """Compiled LieRE inference matches eager. Its squaring count is a Python float of its generators and the
+    coordinates (visionpe/rotary/skew_exp.py), which dynamo guards on: a new grid or an optimizer step recompiles
+    (after 8, dynamo falls back to eager), so compiled LieRE training is not guaranteed (reported). Pinned here, so
+    that a fix shows up."""
+    torch.manual_seed(0)
+    scheme, fn, make_input = _scheme_call("liere")
+    compiled = torch.compile(fn, dynamic=True)
+    qk = make_input(SIZES[0])
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(qk, SIZES[0]), fn(qk, SIZES[0]), **TOL)
+        perturb_(scheme, seed=1)
+        with torch.compiler.set_stance("fail_on_recompile"), pytest.raises(RuntimeError, match="Detected recompile"):
+            compiled(qk, SIZES[0])
+
+
+@pytest.mark.xfail(reason=_COMROPE_COMPILE, strict=True, raises=InductorError)
+@pytest.mark.parametrize("name", COMROPE)
+def test_comrope_compiles(name):
+    """Inference only: the cheapest call that reaches the failure."""
+    _, fn, make_input = _scheme_call(name)
+    qk = make_input((3, 4))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(fn, dynamic=True)(qk, (3, 4)), fn(qk, (3, 4)), **TOL)
+
+
+def test_model_compiles_and_recompiles_for_new_image_sizes():
+    """A one-block ViT with a learned table (resampled eagerly, behind a graph break) and RoPE-Mixed: any batch size
+    runs on the first graph, and new image sizes, non-square included, keep compiling and matching eager (timm's
+    PatchEmbed fixes H and W in its graph, so a new size recompiles part of the model)."""
+    torch.manual_seed(0)
+    model = perturb_(tiny_vit(["learned", "rope_mixed"], dynamic_img_size=True))
+
+    def fn(images, size):
+        return model(images)
+
+    calls = [(4, 32, 48), (6, 32, 48), (4, 48, 40), (6, 40, 56)]  # (batch, H, W); batch 3 would merge with C = 3
+    make_input = lambda s: torch.randn(s[0], 3, *s[1:])  # noqa: E731
+    _check_compiled_matches_eager(fn, model, make_input, calls, recompile=(True, False, True, True))
+    assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled (eager fallback)"
+
+
+@pytest.mark.parametrize(
+    "scheme, kwargs",
+    [
+        ("mrope", {"mrope_section": (2, 3, 3)}),
+        ("mrope_interleaved", {"mrope_section": (4, 2, 2)}),
+        ("v2pe", {}),
+        ("mhrope", {"num_kv_heads": 2}),
+    ],
+    ids=["chunked", "interleaved", "float_ids", "per_head"],
+)
+def test_multimodal_rotary_compiles_and_matches_eager(scheme, kwargs):
+    """Ids -> cos/sin -> rotated q and k, for integer and float (V2PE) ids and per-head tables (MHRoPE)."""
+    torch.manual_seed(0)
+    rotary = MultimodalRotary.from_scheme(scheme, 16, base=1e4, **kwargs)
+    q_weight = torch.randn(4, 16, 16)
+
+    def fn(q, pos):
+        cos, sin = rotary(pos)
+        rq, rk = apply_multimodal_rotary(q, q[:, ::2] @ q_weight[:2], cos, sin)
+        return torch.cat([rq, rk], dim=1)
+
+    def make_input(image_hw):
+        h, w = image_hw
+        types = torch.tensor([[0, 0] + [1] * (h * w) + [0, 0, 0]])
+        pos, _ = get_position_ids(scheme, types, torch.tensor([[1, 2 * h, 2 * w]]))
+        return torch.randn(1, 4, types.shape[1], 16), pos
+
+    compiled = torch.compile(fn, dynamic=True)
+    for i, image_hw in enumerate([(2, 3), (3, 4), (4, 2)]):
+        q, pos = make_input(image_hw)
+        ref, (ref_grad,) = _forward_backward(fn, torch.nn.Module(), q, pos)
+        with torch.compiler.set_stance("default" if i == 0 else "fail_on_recompile"):
+            out, (grad,) = _forward_backward(compiled, torch.nn.Module(), q, pos)
+        torch.testing.assert_close(out, ref, **TOL)
+        torch.testing.assert_close(grad, ref_grad, **TOL)
+    assert counters["stats"]["unique_graphs"] >= 1
