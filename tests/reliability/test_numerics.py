@@ -35,20 +35,8 @@ def _rotary(name, grid=GRID_1024, **kwargs):
     return perturb_(visionpe.create_pos_embed(name, dim=128, num_heads=2, depth=2, **extra, **kwargs), scale=0.02)
 
 
-_COMROPE_LD_AUTOCAST = (
-    "comrope_ld.rotation_chunks multiplies its per-axis rotation factors (rot @ factor) with autocast on, so the "
-    "rotations become bf16/fp16; fix reported (run the product with autocast disabled)"
-)
-
-
 @pytest.mark.parametrize("dtype", LOW_PRECISION, ids=["bf16", "fp16"])
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(reason=_COMROPE_LD_AUTOCAST, strict=True)) if n == "comrope_ld" else n
-        for n in ROTARY
-    ],
-)
+@pytest.mark.parametrize("name", ROTARY)
 def test_rotary_tables_are_fp32_and_identical_under_autocast(name, dtype):
     scheme = _rotary(name)
     coords = scheme.coords(GRID_1024)

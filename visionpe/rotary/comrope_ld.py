@@ -76,9 +76,10 @@ class ComRoPELD(ComRoPEBase):
 
         def gather(start: int, stop: int) -> torch.Tensor:
             rot = None
-            for table, inverse in zip(tables, inverses, strict=True):
-                factor = table.index_select(1, inverse[start:stop])  # every token's row
-                rot = factor if rot is None else rot @ factor  # (h, n, m, b, b); the factors commute
+            with torch.autocast(coords.device.type, enabled=False):  # the product of the factors stays fp32
+                for table, inverse in zip(tables, inverses, strict=True):
+                    factor = table.index_select(1, inverse[start:stop])  # every token's row
+                    rot = factor if rot is None else rot @ factor  # (h, n, m, b, b); the factors commute
             return rot
 
         return gather
