@@ -9,9 +9,11 @@ to 16), video needle (train clips of up to 8 frames, evaluate up to 32). Setting
 
     .venv/bin/python bench/vlm_extrapolation.py --setting quick --out runs/vlm_quick      # ~1 min
     .venv/bin/python bench/vlm_extrapolation.py --setting small --seeds 0 1 2 --jobs 2 --out runs/vlm_small
+    .venv/bin/python bench/vlm_extrapolation.py --setting small --seeds 0 1 2 --jobs 2 --out runs/vlm_small --reuse
     .venv/bin/python bench/vlm_extrapolation.py --setting small --tasks grid --schemes rope_1d mrope vrope
 
-Writes ``<out>/<task>.md``, ``<task>.csv``, ``<task>.png`` per task, ``summary.md`` and ``runs.csv``.
+Writes ``<out>/<task>.md``, ``<task>.csv``, ``<task>.png`` per task, ``summary.md`` and ``runs.csv``; each
+finished run is saved under ``<out>/results/``, and ``--reuse`` continues an interrupted benchmark from there.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="runs/vlm_extrapolation", help="run folder for tables, CSVs and plots")
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, one process each (2 on 2 cores)")
     parser.add_argument("--threads", type=int, help="torch threads per run (default: cores / jobs)")
+    parser.add_argument("--reuse", action="store_true", help="load runs saved under --out instead of training again")
     args = parser.parse_args(argv)
     return run_benchmark(
         args.setting,
@@ -41,6 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
         out_dir=args.out,
         jobs=args.jobs,
         threads=args.threads,
+        reuse=args.reuse,
     )
 
 

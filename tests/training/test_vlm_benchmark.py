@@ -18,6 +18,7 @@ from visionpe.training.vlm import (  # noqa: E402
     VLMModule,
     VLMSize,
     VLMTaskDataModule,
+    benchmark,  # noqa: E402
     build_tiny_vlm,
     collate_samples,
     get_bench_scheme,
@@ -123,9 +124,10 @@ def test_model_config_and_sizes():
         VLMTaskDataModule("grid", eval_lengths=[2, 20])
 
 
-def test_quick_setting_end_to_end_learns(tmp_path):
+def test_quick_setting_end_to_end_learns(tmp_path, monkeypatch):
     """The quick setting through the CLI: two schemes trained and evaluated, md/csv/png written, and both models
-    far above chance (10 %) at the training length (measured: about 90 %)."""
+    far above chance (10 %) at the training length (measured: about 90 %). Run again with --reuse, nothing is
+    trained and the same tables come back."""
     paths = _script().main(["--setting", "quick", "--out", str(tmp_path), "--threads", "1"])
     quick = SETTINGS["quick"]
     assert set(paths) == set(quick.tasks) == {"video"}
@@ -139,6 +141,19 @@ def test_quick_setting_end_to_end_learns(tmp_path):
     table = paths["video"]["md"].read_text()
     assert "| rope_1d |" in table and "| mrope |" in table and "8 fr*" in table
     assert (tmp_path / "runs.csv").is_file() and (tmp_path / "summary.md").is_file()
+    assert len(list((tmp_path / "results").glob("video_*_seed0.json"))) == 2
+
+    def no_training(*args, **kwargs):
+        raise AssertionError(f"--reuse trained {args} again")
+
+    monkeypatch.setattr(benchmark, "train_and_evaluate", no_training)
+    csv_text = paths["video"]["csv"].read_text()
+    again = _script().main(["--setting", "quick", "--out", str(tmp_path), "--threads", "1", "--reuse"])
+    assert again["video"]["csv"].read_text() == csv_text
+    # a saved run of another setting is not reused
+    (tmp_path / "results" / "video_mrope_seed0.json").write_text('{"setting": "small", "rows": [{"acc": 1}]}')
+    with pytest.raises(AssertionError, match="trained .*mrope"):
+        _script().main(["--setting", "quick", "--out", str(tmp_path), "--threads", "1", "--reuse"])
 
 
 def test_train_and_evaluate_rows(tmp_path):

@@ -30,6 +30,7 @@ std), plus ``runs.csv`` (time per run) and ``summary.md`` (all tables).
 from __future__ import annotations
 
 import csv
+import json
 import logging
 import os
 import statistics
@@ -348,6 +349,16 @@ def write_task_report(task: str, rows: Sequence[dict], out_dir: str | Path) -> d
     return paths
 
 
+def _load_result(path: Path, setting: BenchSetting) -> list[dict] | None:
+    """The rows of a run saved by an earlier :func:`run_benchmark` call with the same setting, else None."""
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    if saved.get("setting") != setting.name or not saved.get("rows"):
+        return None
+    return saved["rows"]
+
+
 def run_benchmark(
     setting: str | BenchSetting = "quick",
     schemes: Sequence[str] | None = None,
@@ -357,6 +368,7 @@ def run_benchmark(
     jobs: int = 1,
     threads: int | None = None,
     log: Callable[[str], None] | None = print,
+    reuse: bool = False,
 ) -> dict[str, dict[str, Path]]:
     """Train and evaluate every (task, scheme, seed), then write the per-task reports.
 
@@ -370,6 +382,9 @@ def run_benchmark(
             ``jobs > 1`` the workers are spawned, so a calling script needs ``if __name__ == "__main__":``.
         threads: torch threads per run; default ``max(1, cpu_count // jobs)``.
         log: called with one progress line per finished run and with the tables; None for silence.
+        reuse: every finished run is saved as ``<out_dir>/results/<task>_<scheme>_seed<seed>.json``; with
+            ``reuse``, runs saved there by an earlier call (same setting) are loaded instead of trained again,
+            so an interrupted benchmark continues where it stopped.
 
     Returns:
         {task: {"md": path, "csv": path, "png": path}}; ``out_dir`` also gets ``runs.csv`` (time per run) and
@@ -394,18 +409,34 @@ def run_benchmark(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = [(task, scheme, seed) for seed in seeds for task in tasks for scheme in schemes]
+    results_dir = out_dir / "results"
+    results_dir.mkdir(exist_ok=True)
+
+    def result_path(run: tuple[str, str, int]) -> Path:
+        return results_dir / f"{run[0]}_{run[1]}_seed{run[2]}.json"
+
+    rows: list[dict] = []
+    todo = []
+    for run in runs:
+        saved = _load_result(result_path(run), setting) if reuse else None
+        if saved is None:
+            todo.append(run)
+        else:
+            rows += saved
     log(
         f"{len(runs)} runs ({setting.name} setting: {len(tasks)} tasks x {len(schemes)} schemes x {len(seeds)} "
-        f"seeds), {jobs} job(s) x {threads} thread(s), output in {out_dir}"
+        f"seeds), {len(runs) - len(todo)} of them loaded from an earlier call, {jobs} job(s) x {threads} "
+        f"thread(s), output in {out_dir}"
     )
-    rows: list[dict] = []
     start = time.perf_counter()
 
     def report(done: int, result: list[dict]) -> None:
         first = result[0]
+        path = result_path((first["task"], first["scheme"], first["seed"]))
+        path.write_text(json.dumps({"setting": setting.name, "rows": result}, indent=1))
         accs = " | ".join(f"{_length_label(r['task'], r['length'])} {r['acc']:.1f}" for r in result)
         log(
-            f"[{done}/{len(runs)}] {first['task']} {first['scheme']} seed {first['seed']}: {accs} "
+            f"[{done}/{len(todo)}] {first['task']} {first['scheme']} seed {first['seed']}: {accs} "
             f"(train {first['train_s']:.0f} s, {first['train_cpu_s']:.0f} s CPU; eval {first['eval_s']:.0f} s; "
             f"{time.perf_counter() - start:.0f} s total)"
         )
@@ -414,7 +445,7 @@ def run_benchmark(
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            for i, run in enumerate(runs, 1):
+            for i, run in enumerate(todo, 1):
                 result = train_and_evaluate(*run, setting=setting, log_dir=out_dir / "logs")
                 rows += result
                 report(i, result)
@@ -423,7 +454,7 @@ def run_benchmark(
     else:
         context = get_context("spawn")
         with ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_init, initargs=(threads,)) as pool:
-            futures = [pool.submit(train_and_evaluate, *run, setting=setting, log_dir=out_dir / "logs") for run in runs]
+            futures = [pool.submit(train_and_evaluate, *run, setting=setting, log_dir=out_dir / "logs") for run in todo]
             for i, future in enumerate(as_completed(futures), 1):
                 result = future.result()
                 rows += result
