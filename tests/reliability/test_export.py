@@ -7,16 +7,13 @@ import pytest
 import torch
 
 import visionpe
+from visionpe.rotary import skew_exp
 
 from .helpers import ALL_SCHEMES, LIE, perturb_, tiny_vit
 
-_LIE_EXPORT = (
-    "data-dependent control flow: the squaring count of skew_exp.block_skew_expm_chunks is a Python float of the "
-    "generators (and ComRoPE takes torch.unique of the coordinates); fix reported"
-)
 _IRPE_ONNX = "torch.onnx's decomposition of the biased attention fails on a view (torch 2.14); torch.export works"
 _CAYLEY_ONNX = "torch.linalg.solve (the Cayley transform) has no ONNX translation; fold_string_ first (tested)"
-ONNX_FAILS = {"irpe": _IRPE_ONNX, "string_cayley": _CAYLEY_ONNX, **dict.fromkeys(LIE, _LIE_EXPORT)}
+ONNX_FAILS = {"irpe": _IRPE_ONNX, "string_cayley": _CAYLEY_ONNX}
 
 
 def _model(pos_embed):
@@ -28,10 +25,7 @@ def _batch_dim():
     return {"x": {0: torch.export.Dim("batch", min=1, max=64)}}
 
 
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=pytest.mark.xfail(reason=_LIE_EXPORT, strict=True)) if n in LIE else n for n in ALL_SCHEMES],
-)
+@pytest.mark.parametrize("name", ALL_SCHEMES)
 def test_torch_export_matches_eager(name):
     model = _model(name)
     program = torch.export.export(model, (torch.randn(2, 3, 32, 32),), dynamic_shapes=_batch_dim())
@@ -81,3 +75,30 @@ def test_onnx_export_of_folded_cayley_string():
     images = [torch.randn(2, 3, 32, 32), torch.randn(3, 3, 32, 32)]
     for got, x in zip(_onnx_logits(model, images), images, strict=True):
         torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", LIE)
+def test_exported_lie_exponentials_follow_the_weights(name, monkeypatch):
+    """The squaring count of the exponentials depends on the generators: the exported graph computes it when it
+    runs (one torch.cond per possible squaring), so larger generators loaded after export still match eager."""
+    counts, eager_count = [], skew_exp._eager_squaring_count
+
+    def count(norm2):
+        counts.append(eager_count(norm2))
+        return counts[-1]
+
+    monkeypatch.setattr(skew_exp, "_eager_squaring_count", count)
+    model = _model(name)
+    images = torch.randn(2, 3, 32, 32)
+    exported = torch.export.export(model, (images,)).module()
+    for scale in (1.0, 6.0):
+        with torch.no_grad():
+            for holder in (model, exported):
+                for key, param in holder.named_parameters():
+                    if key.startswith(f"pos_schemes.{name}.") and scale != 1.0:
+                        param.mul_(scale)
+        counts.clear()
+        torch.testing.assert_close(exported(images), model(images), rtol=1e-4, atol=1e-5)
+        if scale == 1.0:
+            small = max(counts)
+    assert max(counts) > small, f"scaling the generators did not change the squaring count: {small} -> {counts}"

@@ -30,6 +30,17 @@ __all__ = ["ComRoPEBase", "ComRoPEAP"]
 POS_NORMS = ("test_grid", "train_grid")
 
 
+def distinct_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.unique(x, return_inverse=True)``: the exponentials are built once per distinct coordinate value.
+
+    Under ``torch.export`` (where the count of distinct values would be a data-dependent shape) every entry is
+    its own value: the same rotations, one exponential per entry.
+    """
+    if torch.compiler.is_exporting():
+        return x.flatten(), torch.arange(x.numel(), device=x.device).view(x.shape)
+    return torch.unique(x, return_inverse=True)
+
+
 class ComRoPEBase(LieBlockRotary):
     """Common ComRoPE options; subclasses build the commuting generators."""
 
@@ -136,7 +147,7 @@ class ComRoPEAP(ComRoPEBase):
         tables, offsets, index = [], 0, torch.empty(len(coords), blocks, dtype=torch.long, device=coords.device)
         for axis in range(self.ndim):
             # blocks axis, axis + ndim, ... turn with this coordinate only: exp(v S_j) for its distinct values v
-            values, inverse = torch.unique(coords[:, axis], return_inverse=True)
+            values, inverse = distinct_values(coords[:, axis])
             own = torch.arange(axis, blocks, self.ndim, device=coords.device)
             table = block_skew_expm(skew[:, own, None], values[:, None], self.series_dtype)  # (h, V, m_a, b, b)
             tables.append(table.flatten(1, 2))

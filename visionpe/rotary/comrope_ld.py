@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..registry import register_scheme
-from .comrope_ap import ComRoPEBase
+from .comrope_ap import ComRoPEBase, distinct_values
 from .skew_exp import block_skew_expm
 
 __all__ = ["ComRoPELD"]
@@ -68,7 +68,7 @@ class ComRoPELD(ComRoPEBase):
         theta = self.multipliers[layer if self.multipliers.shape[0] > 1 else 0]  # (m, ndim)
         # exp(v theta_aj S_j) for every axis a and distinct coordinate value v (of any axis), in one series:
         # the axes stack on the head dimension, (ndim h, m, 1, b, b) generators theta_aj S_j
-        values, inverse = torch.unique(coords, return_inverse=True)  # inverse: (N, ndim)
+        values, inverse = distinct_values(coords)  # inverse: (N, ndim)
         gen = (skew.unsqueeze(0) * theta.T[:, None, :, None, None]).flatten(0, 1).unsqueeze(2)
         table = block_skew_expm(gen, values[:, None], self.series_dtype)  # (ndim h, V, m, b, b)
         table = table.unflatten(0, (self.ndim, -1))  # (ndim, h, V, m, b, b)

@@ -5,7 +5,9 @@ The generators A_a are b x b skew-symmetric blocks shared by every token, so the
 W_alpha (the sum of all words in the A_a with letter counts alpha) that do not depend on the token. The
 truncated series for every token is then one matrix product (N, T) @ (T, blocks * b * b) instead of N small
 matrix exponentials, and the exact exponential follows by scaling and squaring: exp(M) = exp(M / 2^s)^(2^s),
-with s set from a bound on the spectral norm so that the truncation error stays below rounding.
+with s set from a bound on the spectral norm so that the truncation error stays below rounding. The count s is a
+Python int read outside any compiled graph; under ``torch.export`` it is a tensor of the weights and each possible
+squaring runs behind a ``torch.cond`` (:func:`_squaring_count`).
 
 When the exponent of a block is a scalar times one fixed skew matrix (ComRoPE), exp((c1 + c2) S) =
 exp(c1 S) exp(c2 S) and only the distinct values of each coordinate need an exponential
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import lru_cache
 
 import torch
 
@@ -33,6 +34,8 @@ __all__ = [
 
 _ORDER = 12  # Taylor degree: theta^13 / 13! < 4e-8 for theta = 1.5
 _THETA = 1.5  # largest spectral norm evaluated by the series directly
+# squarings an exported graph can run (each behind a torch.cond): spectral norms up to 1.5 * 2^20 = 1.6e6
+MAX_EXPORT_SQUARINGS = 20
 
 
 def skew_from_params(params: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -59,28 +62,43 @@ def skew_from_params(params: torch.Tensor, block_size: int) -> torch.Tensor:
     return upper - upper.transpose(-1, -2)
 
 
-@lru_cache(maxsize=16)
-def _monomials(ndim: int, order: int) -> tuple[list[list[tuple[int, ...]]], list[list[list[int]]]]:
-    """Exponent tuples alpha of each degree k <= order, and for each the index of alpha - e_a at degree k - 1."""
+def _build_monomials(
+    ndim: int, order: int
+) -> tuple[list[list[tuple[int, ...]]], list[list[tuple[list[int], list[int]]]]]:
+    """Exponent tuples alpha of each degree k <= order, and for each degree k >= 1 and axis a the pairs
+    (i, j) such that alpha_i - e_a is alpha_j of degree k - 1, as the lists ([i...], [j...]).
+
+    Plain lists, so that the word table indexes with constants (no ``nonzero`` for torch.compile to trace); built
+    once at import for 1, 2 and 3 axes (:data:`_MONOMIALS`), a constant that torch.compile reads without tracing.
+    """
     levels: list[list[tuple[int, ...]]] = [[(0,) * ndim]]
-    parents: list[list[list[int]]] = [[]]
+    parents: list[list[tuple[list[int], list[int]]]] = [[]]
     for _ in range(order):
         prev = {alpha: i for i, alpha in enumerate(levels[-1])}
         level = sorted({tuple(a + (j == axis) for j, a in enumerate(alpha)) for alpha in prev for axis in range(ndim)})
         levels.append(level)
-        parents.append(
-            [
-                [prev.get(tuple(a - (j == axis) for j, a in enumerate(alpha)), -1) for alpha in level]
-                for axis in range(ndim)
-            ]
-        )
+        pairs = []
+        for axis in range(ndim):
+            parent = [prev.get(tuple(a - (j == axis) for j, a in enumerate(alpha)), -1) for alpha in level]
+            kept = [i for i, j in enumerate(parent) if j >= 0]
+            pairs.append((kept, [parent[i] for i in kept]))
+        parents.append(pairs)
     return levels, parents
+
+
+_MONOMIALS = {ndim: _build_monomials(ndim, _ORDER) for ndim in (1, 2, 3)}
+
+
+def _monomials(ndim: int) -> tuple[list[list[tuple[int, ...]]], list[list[tuple[list[int], list[int]]]]]:
+    if ndim not in _MONOMIALS:  # more axes than the schemes use: built on first use
+        _MONOMIALS[ndim] = _build_monomials(ndim, _ORDER)
+    return _MONOMIALS[ndim]
 
 
 def _word_table(generators: torch.Tensor) -> torch.Tensor:
     """(T, G, b, b) matrices W_alpha / |alpha|! for every monomial alpha of degree <= _ORDER, from (G, ndim, b, b)."""
     num_blocks, ndim, b, _ = generators.shape
-    levels, parents = _monomials(ndim, _ORDER)
+    levels, parents = _monomials(ndim)
     # words are stored (G, b, T, b): left-multiplying all T of them by A_a is one (b x b) @ (b x T b) bmm
     word = torch.eye(b, dtype=generators.dtype, device=generators.device).reshape(1, b, 1, b)
     word = word.repeat(num_blocks, 1, 1, 1)
@@ -91,9 +109,8 @@ def _word_table(generators: torch.Tensor) -> torch.Tensor:
         for axis in range(ndim):
             # a word of degree k is A_a times a word of degree k - 1 (first letter a)
             prod = (generators[:, axis] @ prev).view(num_blocks, b, -1, b)
-            parent = torch.tensor(parents[k][axis], device=generators.device)
-            keep = (parent >= 0).nonzero().squeeze(1)
-            word = word.index_add(2, keep, prod.index_select(2, parent[keep]))
+            kept, parent = (torch.tensor(i, device=generators.device) for i in parents[k][axis])
+            word = word.index_add(2, kept, prod.index_select(2, parent))
         word = word / k  # 1/k! accumulates level by level
         words.append(word)
     return torch.cat(words, dim=2).permute(2, 0, 1, 3)
@@ -147,14 +164,13 @@ def block_skew_expm_chunks(
             # and ||M||_F^2 = p^T Gram p with Gram[a, c] = <A_a, A_c>: one squaring count s for all tokens and blocks
             gram = torch.einsum("gaij,gcij->gac", gen, gen)
             norm2 = torch.einsum("na,gac,nc->ng", coords, gram, coords)
-            rho = math.sqrt(max(float(norm2.max()), 0.0) / 2) if norm2.numel() else 0.0
+            squarings = _squaring_count(norm2)
             del gram, norm2
-        squarings = max(0, math.ceil(math.log2(rho / _THETA))) if rho > _THETA else 0
         coords = coords / 2**squarings
 
         table = _word_table(gen)  # (T, H * M, b, b)
         table = table.reshape(len(table), heads, -1).transpose(0, 1)  # (H, T, M b b)
-        levels, _ = _monomials(ndim, _ORDER)
+        levels, _ = _monomials(ndim)
         exponents = torch.tensor([alpha for level in levels for alpha in level], device=coords.device)  # (T, ndim)
         degrees = torch.arange(_ORDER + 1, device=coords.device)
 
@@ -166,11 +182,43 @@ def block_skew_expm_chunks(
             # (n, T) @ (H, T, M b b): every token's series at once, already in the (H, n, M) layout
             rot = (monomials @ table).view(heads * tokens * blocks, b, b)
             del powers, monomials
-            for _ in range(squarings):
-                rot = torch.bmm(rot, rot)
+            if isinstance(squarings, int):
+                for _ in range(squarings):
+                    rot = torch.bmm(rot, rot)
+            else:  # exporting: the count is a tensor of the weights; each possible squaring is a torch.cond
+                for i in range(MAX_EXPORT_SQUARINGS):
+                    rot = torch.cond(squarings > i, _square, _unchanged, (rot,))
             return rot.view(heads, tokens, blocks, b, b).float()
 
     return series_chunk
+
+
+def _squaring_count(norm2: torch.Tensor) -> int | torch.Tensor:
+    """Squarings s with ||M||_2 / 2^s <= _THETA for every exponent M, from their squared Frobenius norms.
+
+    A Python int in eager mode, and under torch.compile too: it is read outside the graph, so the compiled code
+    depends on the count only, not on the weights (a training step does not recompile). Under ``torch.export``
+    the count is a function of the weights, so it stays a 0-d tensor (at most :data:`MAX_EXPORT_SQUARINGS`)
+    that the exported graph evaluates when it runs.
+    """
+    if torch.compiler.is_exporting():
+        rho = (norm2.max().clamp(min=0) / 2).sqrt()
+        return torch.ceil(torch.log2(rho / _THETA)).clamp(0, MAX_EXPORT_SQUARINGS)
+    return _eager_squaring_count(norm2)
+
+
+@torch.compiler.disable
+def _eager_squaring_count(norm2: torch.Tensor) -> int:
+    rho = math.sqrt(max(float(norm2.max()), 0.0) / 2) if norm2.numel() else 0.0
+    return max(0, math.ceil(math.log2(rho / _THETA))) if rho > _THETA else 0
+
+
+def _square(rot: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(rot, rot)
+
+
+def _unchanged(rot: torch.Tensor) -> torch.Tensor:
+    return rot.clone()  # torch.cond branches may not return their input
 
 
 def linear_skew_expm(generators: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
