@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .grid import grid_coords, validate_grid_size
+from .grid import grid_coords, validate_count, validate_grid_size
 
 __all__ = [
     "PositionEncoding",
@@ -110,8 +110,7 @@ class AbsolutePositionEncoding(PositionEncoding, ABC):
     ) -> tuple[int, ...]:
         """Validate ``forward``'s arguments: x (B >= 1, num_prefix_tokens + prod(grid_size), dim); returns the grid."""
         grid_size = self.check_grid(grid_size)
-        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
-            raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
+        validate_count(num_prefix_tokens, "num_prefix_tokens")
         # messages are formatted only on failure: under torch.compile, formatting a traced size fixes its value
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a (B, P + N, C) tensor, got {type(x).__name__}")

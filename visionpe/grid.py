@@ -19,9 +19,21 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["COORD_MODES", "grid_coords", "prefix_mask", "validate_grid_size"]
+__all__ = ["COORD_MODES", "grid_coords", "prefix_mask", "validate_count", "validate_grid_size"]
 
 COORD_MODES = ("index", "centered", "normalized", "ref_scaled")
+
+
+def validate_count(value: int, name: str = "num_prefix_tokens") -> int:
+    """``value`` if it is a non-negative int (not a bool), else a ValueError naming ``name``.
+
+    Example:
+        >>> validate_count(1)
+        1
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
 
 
 def validate_grid_size(grid_size: Sequence[int], name: str = "grid_size", ndims: Sequence[int] = (2, 3)) -> tuple:
@@ -111,10 +123,8 @@ def prefix_mask(num_prefix_tokens: int, num_patches: int, device: torch.device |
         >>> prefix_mask(1, 3)
         tensor([ True, False, False, False])
     """
-    if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
-        raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
-    if isinstance(num_patches, bool) or not isinstance(num_patches, int) or num_patches < 0:
-        raise ValueError(f"num_patches must be a non-negative int, got {num_patches!r}")
+    validate_count(num_prefix_tokens, "num_prefix_tokens")
+    validate_count(num_patches, "num_patches")
     mask = torch.zeros(num_prefix_tokens + num_patches, dtype=torch.bool, device=device)
     mask[:num_prefix_tokens] = True
     return mask

@@ -13,7 +13,7 @@ from timm.layers import resample_abs_pos_embed, trunc_normal_
 from torch import nn
 
 from ..base import AbsolutePositionEncoding
-from ..grid import validate_grid_size
+from ..grid import validate_count, validate_grid_size
 from ..registry import register_scheme
 
 __all__ = ["LearnedPosEmbed"]
@@ -52,8 +52,7 @@ class LearnedPosEmbed(AbsolutePositionEncoding):
         self.grid_size = validate_grid_size(grid_size, ndims=(2,))
         if interpolation not in _INTERPOLATIONS:
             raise ValueError(f"interpolation must be one of {_INTERPOLATIONS}, got {interpolation!r}")
-        if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
-            raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
+        validate_count(num_prefix_tokens, "num_prefix_tokens")
         self.num_prefix_tokens, self.no_embed_class = num_prefix_tokens, no_embed_class
         self.interpolation, self.antialias = interpolation, antialias
         self.num_embed_prefix = 0 if no_embed_class else num_prefix_tokens

@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..base import BiasPositionEncoding
-from ..grid import grid_coords, validate_grid_size
+from ..grid import grid_coords, validate_count, validate_grid_size
 from ..registry import register_scheme
 from .offsets import DistanceState, distance_state, gather_offsets, query_rows
 
@@ -57,8 +57,7 @@ def grid_distances(
                 [2., 1., 0.]])
     """
     grid_size = validate_grid_size(grid_size, ndims=(2,))
-    if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
-        raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
+    validate_count(num_prefix_tokens, "num_prefix_tokens")
     coords = grid_coords(grid_size, mode="index", device=device)
     dist = torch.cdist(coords, coords, compute_mode="donot_use_mm_for_euclid_dist")
     return torch.nn.functional.pad(dist, (num_prefix_tokens, 0, num_prefix_tokens, 0))

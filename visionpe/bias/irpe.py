@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..base import BiasPositionEncoding
-from ..grid import validate_grid_size
+from ..grid import validate_count, validate_grid_size
 from ..registry import register_scheme
 from .offsets import OffsetState, gather_offsets, offset_state, query_rows
 
@@ -99,7 +99,7 @@ def irpe_num_buckets(method: str, ratio: float = 1.9, num_prefix_tokens: int = 0
     """
     _check_method(method)
     ratio = _check_positive("ratio", ratio)
-    _check_prefix(num_prefix_tokens)
+    validate_count(num_prefix_tokens)
     side = 2 * math.floor(2 * ratio) + 1
     count = {"euclidean": side, "quant": side, "cross": 2 * side, "product": side * side}[method]
     return count + (1 if num_prefix_tokens > 0 else 0)
@@ -129,7 +129,7 @@ def irpe_bucket_ids(
     grid_size = validate_grid_size(grid_size, ndims=(2,))
     _check_method(method)
     ratio = _check_positive("ratio", ratio)
-    _check_prefix(num_prefix_tokens)
+    validate_count(num_prefix_tokens)
     state = offset_state(grid_size, num_prefix_tokens, device, 0)
     table = _bucket_table(state, method, ratio)
     every = range(state.num_tokens)
@@ -159,11 +159,6 @@ def _bucket_table(state: OffsetState, method: str, ratio: float) -> torch.Tensor
 def _check_method(method: str) -> None:
     if method not in IRPE_METHODS:
         raise ValueError(f"iRPE method must be one of {IRPE_METHODS}, got {method!r}")
-
-
-def _check_prefix(num_prefix_tokens: int) -> None:
-    if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
-        raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
 
 
 @dataclass
@@ -226,7 +221,7 @@ class IRPE(BiasPositionEncoding):
             raise ValueError("iRPE on 'v' exists only in mode='contextual'; bias mode is defined for 'q' and 'k'")
         if dim % num_heads:
             raise ValueError(f"dim must be divisible by num_heads, got dim={dim}, num_heads={num_heads}")
-        _check_prefix(num_prefix_tokens)
+        validate_count(num_prefix_tokens)
         self.method, self.mode, self.on = method, mode, "".join(t for t in "qkv" if t in on_set)
         self.ratio, self.shared_heads = _check_positive("ratio", ratio), bool(shared_heads)
         self.num_prefix_tokens, self.num_heads, self.head_dim = num_prefix_tokens, num_heads, dim // num_heads
@@ -249,7 +244,7 @@ class IRPE(BiasPositionEncoding):
     def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> IRPEState:
         """Offset buckets for ``grid_size`` (and the full map for small grids), cached per (grid, prefix, device)."""
         grid_size = self.check_grid(grid_size)
-        _check_prefix(num_prefix_tokens)
+        validate_count(num_prefix_tokens)
         if (num_prefix_tokens > 0) != (self.num_prefix_tokens > 0):
             raise ValueError(
                 f"iRPE tables were built for num_prefix_tokens={self.num_prefix_tokens} "

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..grid import validate_count
+
 __all__ = ["DistanceState", "OffsetState", "distance_state", "gather_offsets", "offset_state", "query_rows"]
 
 
@@ -82,8 +84,7 @@ class OffsetState:
 
 def offset_state(grid_size: tuple[int, int], num_prefix_tokens: int, device, full_state_max_tokens: int) -> OffsetState:
     """:class:`OffsetState` for a 2D grid; the full index is cached when P + N <= ``full_state_max_tokens``."""
-    if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
-        raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
+    validate_count(num_prefix_tokens, "num_prefix_tokens")
     state = OffsetState(tuple(grid_size), num_prefix_tokens, torch.device(device) if device is not None else None)
     if state.num_tokens <= full_state_max_tokens:
         every = range(state.num_tokens)
