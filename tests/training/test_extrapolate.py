@@ -85,3 +85,21 @@ def test_bad_arguments(tmp_path):
         script.main(["--config", str(tmp_path / "missing.yaml"), "--schemes", "rope_axial"])
     with pytest.raises(ValueError, match="extrapolation modes"):
         script.main(["--config", DIGITS, "--schemes", "rope_axial", "--extrapolation", "bogus"])
+
+
+def test_reference_models_are_built_like_visionpe_models():
+    """The Eva reference rows get timm ViT's classifier init (head_init_scale=1.0), not Eva's 1e-3 scale, so that
+    they train at the pace of the visionpe rows they are compared with; timm's own APE ViT needs nothing."""
+    from visionpe.training.cli import run_cli
+    from visionpe.training.experiments import REFERENCE_MODELS, reference_args
+
+    head_std = {}
+    for name in REFERENCE_MODELS:
+        cli = run_cli(args=["--config", DIGITS, *reference_args(name)], run=False)
+        head_std[name] = float(cli.model.model.head.weight.std())
+        assert cli.model.model.head.weight.shape == (10, 64)
+    vp = run_cli(args=["--config", DIGITS, "--model.pos_embed=rope_axial"], run=False).model.model
+    for name, std in head_std.items():
+        assert std == pytest.approx(float(vp.head.weight.std()), rel=0.2), (name, head_std)
+    with pytest.raises(ValueError, match="unknown reference model 'eva'"):
+        reference_args("eva")
