@@ -109,7 +109,7 @@ def _word_table(generators: torch.Tensor) -> torch.Tensor:
         for axis in range(ndim):
             # a word of degree k is A_a times a word of degree k - 1 (first letter a)
             prod = (generators[:, axis] @ prev).view(num_blocks, b, -1, b)
-            kept, parent = (torch.tensor(i, device=generators.device) for i in parents[k][axis])
+            kept, parent = (torch.tensor(i, dtype=torch.long, device=generators.device) for i in parents[k][axis])
             word = word.index_add(2, kept, prod.index_select(2, parent))
         word = word / k  # 1/k! accumulates level by level
         words.append(word)
