@@ -88,18 +88,24 @@ def test_bad_arguments(tmp_path):
 
 
 def test_reference_models_are_built_like_visionpe_models():
-    """The Eva reference rows get timm ViT's classifier init (head_init_scale=1.0), not Eva's 1e-3 scale, so that
-    they train at the pace of the visionpe rows they are compared with; timm's own APE ViT needs nothing."""
+    """The Eva reference rows get timm ViT's initialisation of every Linear layer (weight_init="vit"), not Eva's
+    (head scaled by 1e-3, output projections by 1 / sqrt(2 l)), so that they train like the visionpe rows they are
+    compared with; timm's own APE ViT needs nothing."""
     from visionpe.training.cli import run_cli
     from visionpe.training.experiments import REFERENCE_MODELS, reference_args
 
-    head_std = {}
+    def linear_stds(model):
+        return {"head": float(model.head.weight.std()), "last proj": float(model.blocks[-1].attn.proj.weight.std())}
+
+    vp = linear_stds(run_cli(args=["--config", DIGITS, "--model.pos_embed=rope_axial"], run=False).model.model)
+    assert vp == pytest.approx({"head": 0.02, "last proj": 0.02}, rel=0.2)
     for name in REFERENCE_MODELS:
-        cli = run_cli(args=["--config", DIGITS, *reference_args(name)], run=False)
-        head_std[name] = float(cli.model.model.head.weight.std())
-        assert cli.model.model.head.weight.shape == (10, 64)
-    vp = run_cli(args=["--config", DIGITS, "--model.pos_embed=rope_axial"], run=False).model.model
-    for name, std in head_std.items():
-        assert std == pytest.approx(float(vp.head.weight.std()), rel=0.2), (name, head_std)
+        assert linear_stds(run_cli(args=["--config", DIGITS, *reference_args(name)], run=False).model.model) == (
+            pytest.approx(vp, rel=0.2)
+        ), name
+    eva = run_cli(args=["--config", DIGITS, "--model.model_name=vit_small_patch16_rope_224"], run=False).model.model
+    assert linear_stds(eva)["head"] < 1e-3  # Eva's own init, as timm builds it
     with pytest.raises(ValueError, match="unknown reference model 'eva'"):
         reference_args("eva")
+    with pytest.raises(ValueError, match="weight_init must be None or 'vit', got 'jax'"):
+        run_cli(args=["--config", DIGITS, "--model.weight_init=jax"], run=False)

@@ -22,14 +22,14 @@ from .module import Classifier
 __all__ = ["REFERENCE_MODELS", "reference_args", "train_from_config", "run_sweep"]
 
 # timm's own models, trained the same way as the visionpe ones: the reference rows of a sweep, as (row label, timm
-# model name, extra timm.create_model arguments). timm's Eva scales its classifier head by head_init_scale=1e-3
-# at init, where timm's ViT (and so visionpe's) keeps the truncated normal of std 0.02; with the same small
-# budget, that 1e-3 alone made the Eva rows learn at APE's pace (29.6 vs 65.0 % at 32 px for RoPE-Axial), and
-# with head_init_scale=1.0 they reach visionpe's RoPE rows (README, "Extrapolation on the bundled digits").
+# model name, extra config overrides). timm's Eva scales its classifier head by 1e-3 and each block's output
+# projections by 1 / sqrt(2 l) in block l at init, where timm's ViT (and so visionpe's) keeps the truncated normal of
+# std 0.02; with the same small budget that init alone made the Eva rows learn at APE's pace (29.6 against 65.0 %
+# at 32 px for RoPE-Axial), so they get the ViT init (README, "Extrapolation on the bundled digits").
 REFERENCE_MODELS = {
-    "timm_ape": ("timm APE ViT", "vit_tiny_patch16_224", {}),
-    "timm_rope_axial": ("timm Eva RoPE-Axial", "vit_small_patch16_rope_224", {"head_init_scale": 1.0}),
-    "timm_rope_mixed": ("timm Eva RoPE-Mixed", "vit_small_patch16_rope_mixed_224", {"head_init_scale": 1.0}),
+    "timm_ape": ("timm APE ViT", "vit_tiny_patch16_224", []),
+    "timm_rope_axial": ("timm Eva RoPE-Axial", "vit_small_patch16_rope_224", ["--model.weight_init=vit"]),
+    "timm_rope_mixed": ("timm Eva RoPE-Mixed", "vit_small_patch16_rope_mixed_224", ["--model.weight_init=vit"]),
 }
 EXTRAPOLATION_MODES = ("none", "pi", "ntk", "yarn")
 
@@ -41,8 +41,8 @@ def reference_args(name: str) -> list[str]:
     """The config overrides that build the reference model ``name`` of :data:`REFERENCE_MODELS`."""
     if name not in REFERENCE_MODELS:
         raise ValueError(f"unknown reference model {name!r}; valid: {sorted(REFERENCE_MODELS)}")
-    _, model_name, timm_kwargs = REFERENCE_MODELS[name]
-    return [f"--model.model_name={model_name}", *(f"--model.model_kwargs.{k}={v}" for k, v in timm_kwargs.items())]
+    _, model_name, overrides = REFERENCE_MODELS[name]
+    return [f"--model.model_name={model_name}", *overrides]
 
 
 def train_from_config(config: str | Path, overrides: Sequence[str], out_dir: str | Path, reuse: bool = False):

@@ -18,6 +18,7 @@ import timm
 import torch
 import torch.nn.functional as F
 from timm.data import Mixup
+from timm.layers import trunc_normal_
 from timm.loss import SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2
 from timm.scheduler import create_scheduler_v2
@@ -41,6 +42,9 @@ class Classifier(L.LightningModule):
         warmup_epochs, min_lr, warmup_lr: cosine schedule with linear warm-up, stepped every update.
         mixup, cutmix, label_smoothing: timm Mixup settings; all zero trains with plain cross-entropy.
         drop_path_rate: stochastic depth.
+        weight_init: None keeps the model's own initialisation; ``"vit"`` re-initialises every Linear layer as
+            timm's VisionTransformer does (truncated normal, std 0.02, zero bias), e.g. to train timm's Eva models
+            (which scale the head by 1e-3 and the residual projections by depth) exactly like a visionpe ViT.
         seed: the randomness of every training step is reseeded from (seed, step, rank), so resuming from a
             checkpoint replays the same mixup, cutmix and drop path as an uninterrupted run (the data modules
             seed their sampling and augmentation per epoch the same way).
@@ -65,6 +69,7 @@ class Classifier(L.LightningModule):
         label_smoothing: float = 0.1,
         drop_path_rate: float = 0.1,
         seed: int = 0,
+        weight_init: str | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(num_classes, int) or num_classes < 2:
@@ -75,11 +80,19 @@ class Classifier(L.LightningModule):
         for name, value in (("mixup", mixup), ("cutmix", cutmix), ("label_smoothing", label_smoothing)):
             if value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
+        if weight_init not in (None, "vit"):
+            raise ValueError(f"weight_init must be None or 'vit', got {weight_init!r}")
         self.save_hyperparameters()
         kwargs = dict(model_kwargs or {})
         if model_name.startswith("visionpe_"):
             kwargs.update(pos_embed=pos_embed, pos_embed_kwargs=pos_embed_kwargs)
         self.model = timm.create_model(model_name, num_classes=num_classes, drop_path_rate=drop_path_rate, **kwargs)
+        if weight_init == "vit":
+            for module in self.model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    trunc_normal_(module.weight, std=0.02)
+                    if module.bias is not None:
+                        torch.nn.init.zeros_(module.bias)
         self.mixup_fn = (
             Mixup(mixup_alpha=mixup, cutmix_alpha=cutmix, label_smoothing=label_smoothing, num_classes=num_classes)
             if mixup > 0 or cutmix > 0
