@@ -109,3 +109,30 @@ def test_reference_models_are_built_like_visionpe_models():
         reference_args("eva")
     with pytest.raises(ValueError, match="weight_init must be None or 'vit', got 'jax'"):
         run_cli(args=["--config", DIGITS, "--model.weight_init=jax"], run=False)
+
+
+def test_rope_axial_model_equals_timm_eva_with_the_same_weights():
+    """The demo's rope_axial ViT and timm's Eva RoPE-Axial reference, built from the same config, are the same
+    function: with visionpe's weights loaded into Eva (LayerScale renamed), the logits agree at the training size and
+    off it. So the sweep's reference rows differ from visionpe's only in their random draws."""
+    import timm
+    import torch
+    import yaml
+
+    kwargs = yaml.safe_load(Path(DIGITS).read_text())["model"]["model_kwargs"]
+    torch.manual_seed(0)
+    ours = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed="rope_axial", num_classes=10, **kwargs)
+    eva = timm.create_model("vit_small_patch16_rope_224", num_classes=10, **kwargs)
+    rename = {".ls1.gamma": ".gamma_1", ".ls2.gamma": ".gamma_2"}
+    state = {}
+    for key, value in ours.state_dict().items():
+        for old, new in rename.items():
+            key = key.replace(old, new)
+        state[key] = value
+    assert set(state) == set(eva.state_dict())
+    eva.load_state_dict(state)
+    ours.eval(), eva.eval()
+    with torch.no_grad():
+        for size in (32, 48, 72):
+            images = torch.randn(3, 3, size, size)
+            torch.testing.assert_close(eva(images), ours(images), rtol=1e-5, atol=1e-6)
