@@ -433,7 +433,9 @@ def run_benchmark(
     def report(done: int, result: list[dict]) -> None:
         first = result[0]
         path = result_path((first["task"], first["scheme"], first["seed"]))
-        path.write_text(json.dumps({"setting": setting.name, "rows": result}, indent=1))
+        partial = path.with_suffix(".partial")  # a run killed mid-write leaves no half-written result behind
+        partial.write_text(json.dumps({"setting": setting.name, "rows": result}, indent=1))
+        partial.replace(path)
         accs = " | ".join(f"{_length_label(r['task'], r['length'])} {r['acc']:.1f}" for r in result)
         log(
             f"[{done}/{len(todo)}] {first['task']} {first['scheme']} seed {first['seed']}: {accs} "
