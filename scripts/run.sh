@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The main job: sets up .venv if needed, trains every main scheme and timm's own reference ViTs on the bundled
-# digits (configs/demo/digits.yaml), then sweeps them over 32-128 px and prints the table; the table, CSV, plot and
-# checkpoints land in runs/main (or --out). Extra arguments go to train/extrapolate.py, e.g. `--seeds 0 1 2`.
+# digits (configs/demo/digits.yaml), then sweeps them over 32-96 px and prints the table; the table, CSV, plot and
+# checkpoints land in runs/main (or --out). Extra arguments go to train/extrapolate.py and win over the defaults here,
+# e.g. `--seeds 0 1 2 --sizes 32 48 64 96 128` (the README's benchmark). 128 px is left out by default: evaluating
+# there took 7 of the 18 minutes of a from-scratch run on 2 cores (iRPE's contextual bias alone 2.6 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/python train/extrapolate.py --config configs/demo/digits.yaml \
     --schemes learned rope_axial rope_mixed cpe irpe string_cayley \
     --references timm_ape timm_rope_axial timm_rope_mixed \
-    --extrapolation none pi --out runs/main "$@"
+    --extrapolation none pi --sizes 32 48 64 96 --out runs/main "$@"
