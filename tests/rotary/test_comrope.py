@@ -57,10 +57,10 @@ def test_positions_prefix_and_pi():
     train = ComRoPEAP(128, 2, grid_size=(4, 4), pos_norm="train_grid")
     assert torch.allclose(train.coords((8, 4))[:, 0].max(), torch.tensor(7.5 / 4))
     train.set_extrapolation("pi")
-    state, prefix = train.prepare(train.coords((8, 4)), num_prefix_tokens=1, grid_size=(8, 4))
+    state, prefix, _ = train.prepare(train.coords((8, 4)), num_prefix_tokens=1, grid_size=(8, 4))
     assert prefix == 1 and torch.allclose(state, grid_coords((8, 4), mode="normalized"))  # PI = test-grid norm
     rotating = ComRoPELD(128, 2, grid_size=(4, 4), rotate_prefix=True)
-    state, prefix = rotating.prepare(rotating.coords((4, 4)), num_prefix_tokens=1)
+    state, prefix, _ = rotating.prepare(rotating.coords((4, 4)), num_prefix_tokens=1)
     assert prefix == 0 and torch.equal(state[0], torch.tensor([0.5, 0.5]))
     qk = torch.randn(2, 1, 2, 17, 64)
     out = scheme.apply(qk, scheme.prepare(scheme.coords((4, 4)), num_prefix_tokens=1), layer=0)
@@ -96,7 +96,7 @@ def test_model_forward_backward(name, size):
 def test_per_value_rotations_equal_per_token_exponentials(cls, block_size, ndim, grid):
     # the fast path (one exponential per distinct coordinate value) against exp(sum_a x_a A_a) per token
     scheme = cls(128, 2, depth=2, block_size=block_size, ndim=ndim, rotate_prefix=True)
-    coords, _ = scheme.prepare(grid_coords(grid, mode="normalized"), num_prefix_tokens=1)
+    coords = scheme.prepare(grid_coords(grid, mode="normalized"), num_prefix_tokens=1)[0]
     jittered = coords + 0.01 * torch.randn_like(coords)  # every value distinct: no sharing at all
     for pos in (coords, jittered):
         fast, slow = scheme.rotations(pos, 1), LieBlockRotary.rotations(scheme, pos, 1)
@@ -113,12 +113,13 @@ def test_per_value_rotations_equal_per_token_exponentials(cls, block_size, ndim,
 def test_chunked_no_grad_apply_equals_whole(monkeypatch, cls, rotate_prefix):
     # without autograd, apply gathers and applies the rotations a few tokens at a time: same result as the whole
     scheme = cls(128, 2, depth=2, rotate_prefix=rotate_prefix)
-    coords, prefix = scheme.prepare(grid_coords((5, 7), mode="normalized"), num_prefix_tokens=1)
+    state = scheme.prepare(grid_coords((5, 7), mode="normalized"), num_prefix_tokens=1)
+    coords = state[0]
     qk = torch.randn(2, 3, 2, 36, 64)
-    whole = scheme.apply(qk, (coords, prefix), 1)  # grad enabled: the whole stack at once
+    whole = scheme.apply(qk, state, 1)  # grad enabled: the whole stack at once
     monkeypatch.setattr("visionpe.rotary.lie_base._CHUNK_TOKENS", 8)
     with torch.no_grad():
-        chunked = scheme.apply(qk, (coords, prefix), 1)
+        chunked = scheme.apply(qk, state, 1)
         parts = scheme.rotation_chunks(coords, 1)
         rot = torch.cat([parts(start, min(start + 8, len(coords))) for start in range(0, len(coords), 8)], 1)
     assert torch.allclose(chunked, whole, atol=1e-6)

@@ -5,11 +5,13 @@ import torch
 
 import visionpe
 from visionpe.grid import grid_coords
+from visionpe.rotary import skew_exp
 from visionpe.rotary.liere import LieRE
 from visionpe.rotary.skew_exp import (
     apply_block_rotation,
     block_skew_expm,
     block_skew_expm_chunks,
+    block_skew_expm_layers,
     linear_skew_expm,
     skew_from_params,
 )
@@ -91,7 +93,7 @@ def test_prefix_tokens_not_rotated():
 def test_pi_scales_positions_and_other_modes_are_rejected():
     scheme = LieRE(128, 2, grid_size=(7, 7), extrapolation="pi")
     coords = grid_coords((14, 21))
-    state, _ = scheme.prepare(coords, grid_size=(14, 21))
+    state = scheme.prepare(coords, grid_size=(14, 21))[0]
     assert torch.allclose(state, coords / torch.tensor([2.0, 3.0]))
     for mode in ("ntk", "yarn"):
         with pytest.raises(ValueError, match="supports extrapolation modes"):
@@ -179,3 +181,55 @@ def test_block_skew_expm_chunks_equal_slices():
     build = block_skew_expm_chunks(gen, coords)
     for start, stop in ((0, 5), (5, 36), (30, 31)):
         assert torch.allclose(build(start, stop), whole[:, start:stop], atol=1e-6)
+
+
+@pytest.mark.parametrize("prefix", [0, 2])
+@pytest.mark.parametrize("heads_rot", [1, 3])
+def test_apply_block_rotation_gradients(prefix, heads_rot):
+    # the hand-written backward (R^T dY for x, dY X^T for the rotations) against finite differences
+    heads, tokens, b = 3, 4, 4
+    rot = torch.randn(heads_rot, tokens, 2, b, b, dtype=torch.float64, requires_grad=True)
+    qkv = torch.randn(2, tokens + prefix, 3, heads, 2 * b, dtype=torch.float64)
+    qk = qkv.permute(2, 0, 3, 1, 4)[:2].detach().requires_grad_()  # strided, as attention passes it
+    assert torch.autograd.gradcheck(lambda x, r: apply_block_rotation(x, r, prefix), (qk, rot))
+
+
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_batch_last_squarings_gradients(count):
+    rot = torch.randn(3, 3, 2, 2, 5, dtype=torch.float64, requires_grad=True)  # (b, b, H, M, n)
+    assert torch.autograd.gradcheck(lambda r: skew_exp._BatchLastSquarings.apply(r, count), (rot,))
+    out = skew_exp._BatchLastSquarings.apply(rot, count)
+    expected = rot.permute(2, 4, 3, 0, 1)
+    for _ in range(count):
+        expected = expected @ expected
+    assert out.shape == (2, 5, 2, 3, 3) and torch.allclose(out, expected)
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_batch_last_and_bmm_exponentials_agree(monkeypatch, block_size):
+    # large stacks square batch-last, small ones with bmm: same rotations and the same gradients either way
+    params = (torch.rand(2, 3, 2, block_size * (block_size - 1) // 2, dtype=torch.float64) * 0.7).requires_grad_()
+    coords = grid_coords((4, 5)) * 1.5
+    weights = torch.randn(2, 20, 3, block_size, block_size, dtype=torch.float64)
+    results = []
+    for stack in (0, 10**9):  # everything batch-last, then everything bmm
+        monkeypatch.setattr(skew_exp, "_BATCH_LAST_MIN_STACK", stack)
+        rot = block_skew_expm(skew_from_params(params, block_size), coords, torch.float64)
+        results.append((rot, torch.autograd.grad((rot * weights).sum(), params)[0]))
+    (fast, grad_fast), (slow, grad_slow) = results
+    assert torch.allclose(fast, slow, atol=1e-6) and torch.allclose(grad_fast, grad_slow, rtol=1e-5, atol=1e-6)
+    orthogonal = fast.double() @ fast.double().transpose(-1, -2)
+    assert torch.allclose(orthogonal, torch.eye(block_size, dtype=torch.float64).expand_as(orthogonal), atol=1e-5)
+
+
+def test_layer_plan_equals_per_layer_exponentials():
+    # word tables and squaring counts set up for all layers at once: each layer as if computed alone, even when
+    # the layers need different squaring counts
+    gen = skew_from_params(torch.rand(3, 2, 4, 2, 6) * torch.tensor([0.1, 1.0, 4.0]).view(3, 1, 1, 1, 1), 4)
+    coords = grid_coords((5, 6))
+    build = block_skew_expm_layers(gen, coords, torch.float64)
+    for layer in range(3):
+        assert torch.allclose(build(layer, 0, 30), block_skew_expm(gen[layer], coords), atol=1e-6)
+        assert torch.allclose(build(layer, 7, 19), block_skew_expm(gen[layer], coords)[:, 7:19], atol=1e-6)
+    with pytest.raises(ValueError, match=r"generators must have shape \(L, H, M, ndim, b, b\)"):
+        block_skew_expm_layers(gen[0], coords)

@@ -10,7 +10,8 @@ Rotations are applied per block, never as (B, L, h, d, d) matrices.
 
 Cost: block j of a token turns by exp(x_a S_j) with one fixed skew S_j = P_j - P_j^T, so the exponentials are taken
 once per distinct value of each coordinate (a grid has H distinct y and W distinct x) and every token gathers
-its blocks from that small table (:meth:`ComRoPEAP.rotations`); gradients flow through the exponentials exactly.
+its blocks from that small table (:meth:`ComRoPEAP.rotation_plan`, the word tables of all layers set up at once);
+gradients flow through the exponentials exactly.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 from ..grid import grid_coords
 from ..registry import register_scheme
 from .lie_base import LieBlockRotary
-from .skew_exp import block_skew_expm
+from .skew_exp import block_skew_expm_layers
 
 __all__ = ["ComRoPEBase", "ComRoPEAP"]
 
@@ -94,10 +95,20 @@ class ComRoPEBase(LieBlockRotary):
             return None
         return coords.new_full((num_prefix_tokens, coords.shape[1]), 0.5)
 
+    def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
+        return self.rotation_chunks(coords, layer)(0, len(coords))
+
+    def rotation_chunks(self, coords: torch.Tensor, layer: int) -> Callable[[int, int], torch.Tensor]:
+        return self.rotation_plan(coords)(layer)
+
     def skew_blocks(self, layer: int) -> torch.Tensor:
         """(num_heads, m, b, b) skew blocks P_j - P_j^T of block ``layer``."""
         p = self.blocks[layer if self.blocks.shape[0] > 1 else 0]
         return p - p.transpose(-1, -2)
+
+    def layer_skew_blocks(self) -> torch.Tensor:
+        """(L, num_heads, m, b, b) skew blocks of every layer."""
+        return self.blocks - self.blocks.transpose(-1, -2)
 
 
 @register_scheme("comrope_ap")
@@ -138,26 +149,30 @@ class ComRoPEAP(ComRoPEBase):
         # (h, m, 1, b, b) * (m, ndim, 1, 1): block j only on axis j mod ndim
         return self.skew_blocks(layer).unsqueeze(2) * self.axis_mask[:, :, None, None]
 
-    def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
-        return self.rotation_chunks(coords, layer)(0, len(coords))
-
-    def rotation_chunks(self, coords: torch.Tensor, layer: int) -> Callable[[int, int], torch.Tensor]:
-        skew = self.skew_blocks(layer)  # (h, m, b, b)
-        heads, blocks, b = skew.shape[0], self.num_blocks, self.block_size
-        tables, offsets, index = [], 0, torch.empty(len(coords), blocks, dtype=torch.long, device=coords.device)
+    def rotation_plan(self, coords: torch.Tensor) -> Callable[[int], Callable[[int, int], torch.Tensor]]:
+        skew = self.layer_skew_blocks()  # (L, h, m, b, b)
+        heads, blocks, b = skew.shape[1], self.num_blocks, self.block_size
+        builders, offsets, index = [], 0, torch.empty(len(coords), blocks, dtype=torch.long, device=coords.device)
         for axis in range(self.ndim):
-            # blocks axis, axis + ndim, ... turn with this coordinate only: exp(v S_j) for its distinct values v
+            # blocks axis, axis + ndim, ... turn with this coordinate only: exp(v S_j) for its distinct values v,
+            # the word tables of all layers set up at once
             values, inverse = distinct_values(coords[:, axis])
             own = torch.arange(axis, blocks, self.ndim, device=coords.device)
-            table = block_skew_expm(skew[:, own, None], values[:, None], self.series_dtype)  # (h, V, m_a, b, b)
-            tables.append(table.flatten(1, 2))
+            build = block_skew_expm_layers(skew[:, :, own, None], values[:, None], self.series_dtype)
+            builders.append((build, len(values)))
             # token n, block own[k] reads row inverse[n] * m_a + k of this axis' table
             index[:, own] = offsets + inverse[:, None] * len(own) + torch.arange(len(own), device=coords.device)
-            offsets += table.shape[1] * table.shape[2]
-        table = torch.cat(tables, 1)
+            offsets += len(values) * len(own)
+        last = len(skew) - 1
 
-        def gather(start: int, stop: int) -> torch.Tensor:
-            # one gather builds every token's blocks, already in the (h, n, m) layout the product reads
-            return table.index_select(1, index[start:stop].flatten()).view(heads, stop - start, blocks, b, b)
+        def plan(layer: int) -> Callable[[int, int], torch.Tensor]:
+            # (h, V_a, m_a, b, b) per axis, one table of rows
+            table = torch.cat([build(min(layer, last), 0, count).flatten(1, 2) for build, count in builders], 1)
 
-        return gather
+            def gather(start: int, stop: int) -> torch.Tensor:
+                # one gather builds every token's blocks, already in the (h, n, m) layout the product reads
+                return table.index_select(1, index[start:stop].flatten()).view(heads, stop - start, blocks, b, b)
+
+            return gather
+
+        return plan

@@ -8,8 +8,8 @@ Positions and prefix handling as ComRoPE-AP (:mod:`.comrope_ap`).
 
 Cost: the terms of the exponent commute, so exp(sum_i theta_ij x_i S_j) = prod_i exp(theta_ij x_i S_j): one
 exponential per distinct value of each coordinate (all axes in one series call), gathered per token, then one
-b x b product per block and extra axis (:meth:`ComRoPELD.rotations`) instead of one exponential per token;
-gradients flow exactly. Without autograd the gather and product run by token chunks (:meth:`rotation_chunks`).
+b x b product per block and extra axis (:meth:`ComRoPELD.rotation_plan`) instead of one exponential per token;
+gradients flow exactly. Without autograd the gather and product run by token chunks.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 
 from ..registry import register_scheme
 from .comrope_ap import ComRoPEBase, distinct_values
-from .skew_exp import block_skew_expm
+from .skew_exp import block_skew_expm_layers
 
 __all__ = ["ComRoPELD"]
 
@@ -60,26 +60,32 @@ class ComRoPELD(ComRoPEBase):
         theta = self.multipliers[layer if self.multipliers.shape[0] > 1 else 0]  # (m, ndim)
         return self.skew_blocks(layer).unsqueeze(2) * theta[None, :, :, None, None]
 
-    def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
-        return self.rotation_chunks(coords, layer)(0, len(coords))
-
-    def rotation_chunks(self, coords: torch.Tensor, layer: int) -> Callable[[int, int], torch.Tensor]:
-        skew = self.skew_blocks(layer)  # (h, m, b, b)
-        theta = self.multipliers[layer if self.multipliers.shape[0] > 1 else 0]  # (m, ndim)
-        # exp(v theta_aj S_j) for every axis a and distinct coordinate value v (of any axis), in one series:
-        # the axes stack on the head dimension, (ndim h, m, 1, b, b) generators theta_aj S_j
+    def rotation_plan(self, coords: torch.Tensor) -> Callable[[int], Callable[[int, int], torch.Tensor]]:
+        skew = self.layer_skew_blocks()  # (L, h, m, b, b)
+        # exp(v theta_aj S_j) for every axis a and distinct coordinate value v (of any axis), in one series per
+        # layer (word tables of all layers at once): the axes stack on the head dimension, (L, ndim h, m, 1, b, b)
+        # generators theta_aj S_j
         values, inverse = distinct_values(coords)  # inverse: (N, ndim)
-        gen = (skew.unsqueeze(0) * theta.T[:, None, :, None, None]).flatten(0, 1).unsqueeze(2)
-        table = block_skew_expm(gen, values[:, None], self.series_dtype)  # (ndim h, V, m, b, b)
-        table = table.unflatten(0, (self.ndim, -1))  # (ndim, h, V, m, b, b)
-        tables, inverses = table.unbind(0), inverse.unbind(1)
+        theta = self.multipliers.transpose(1, 2)[:, :, None, :, None, None]  # (L, ndim, 1, m, 1, 1)
+        gen = (skew.unsqueeze(1) * theta).flatten(1, 2).unsqueeze(3)
+        build, last, inverses = (
+            block_skew_expm_layers(gen, values[:, None], self.series_dtype),
+            len(gen) - 1,
+            inverse.unbind(1),
+        )
 
-        def gather(start: int, stop: int) -> torch.Tensor:
-            rot = None
-            with torch.autocast(coords.device.type, enabled=False):  # the product of the factors stays fp32
-                for table, inverse in zip(tables, inverses, strict=True):
-                    factor = table.index_select(1, inverse[start:stop])  # every token's row
-                    rot = factor if rot is None else rot @ factor  # (h, n, m, b, b); the factors commute
-            return rot
+        def plan(layer: int) -> Callable[[int, int], torch.Tensor]:
+            table = build(min(layer, last), 0, len(values)).unflatten(0, (self.ndim, -1))  # (ndim, h, V, m, b, b)
+            tables = table.unbind(0)
 
-        return gather
+            def gather(start: int, stop: int) -> torch.Tensor:
+                rot = None
+                with torch.autocast(coords.device.type, enabled=False):  # the product of the factors stays fp32
+                    for table, inverse in zip(tables, inverses, strict=True):
+                        factor = table.index_select(1, inverse[start:stop])  # every token's row
+                        rot = factor if rot is None else rot @ factor  # (h, n, m, b, b); the factors commute
+                return rot
+
+            return gather
+
+        return plan

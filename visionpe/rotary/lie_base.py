@@ -13,6 +13,7 @@ Only PI (coordinate scaling) applies: the rotations have no frequency list that 
 
 from __future__ import annotations
 
+import functools
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 
@@ -20,7 +21,7 @@ import torch
 
 from ..base import RotaryPositionEncoding
 from .scaling import Extrapolation
-from .skew_exp import apply_block_rotation, block_skew_expm, block_skew_expm_chunks
+from .skew_exp import apply_block_rotation, block_skew_expm, block_skew_expm_chunks, block_skew_expm_layers
 
 __all__ = ["LieBlockRotary"]
 
@@ -69,21 +70,26 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
     def generators(self, layer: int) -> torch.Tensor:
         """(num_heads | 1, num_blocks, ndim, b, b) skew-symmetric generators of block ``layer``."""
 
+    def layer_generators(self) -> torch.Tensor:
+        """(L, num_heads | 1, num_blocks, ndim, b, b) generators of every layer (L = depth, or 1 when shared)."""
+        return torch.stack([self.generators(layer) for layer in range(self.depth)])
+
     def prefix_coords(self, num_prefix_tokens: int, coords: torch.Tensor) -> torch.Tensor | None:
         """Coordinates of rotated prefix tokens, or None: prefix tokens get the identity."""
         return None
 
     def prepare(
         self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None
-    ) -> tuple[torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, int, Callable[[int], Callable[[int, int], torch.Tensor]]]:
+        """(coordinates, prefix tokens left unrotated, :meth:`rotation_plan` of the coordinates)."""
         coords = coords.float()
         factors = self.scale_factors(grid_size)
         if factors is not None:  # PI: p_a -> p_a / s_a
             coords = coords / torch.tensor(factors, device=coords.device)
         prefix = self.prefix_coords(num_prefix_tokens, coords) if num_prefix_tokens else None
         if prefix is not None:
-            return torch.cat((prefix, coords)), 0
-        return coords, num_prefix_tokens
+            coords, num_prefix_tokens = torch.cat((prefix, coords)), 0
+        return coords, num_prefix_tokens, self.rotation_plan(coords)
 
     def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
         """(num_heads | 1, N, num_blocks, b, b) fp32 rotations of block ``layer`` at ``coords`` (N, ndim)."""
@@ -96,16 +102,27 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
         """
         return block_skew_expm_chunks(self.generators(layer), coords, self.series_dtype)
 
-    def apply(self, qk: torch.Tensor, state: tuple[torch.Tensor, int], layer: int) -> torch.Tensor:
-        coords, num_prefix_tokens = state
+    def rotation_plan(self, coords: torch.Tensor) -> Callable[[int], Callable[[int, int], torch.Tensor]]:
+        """``plan(layer)`` is :meth:`rotation_chunks` ``(coords, layer)``; built once per forward (in
+        :meth:`prepare`), it sets up what every layer needs at once: the word tables of all layers' series and
+        their squaring counts (:func:`~visionpe.rotary.skew_exp.block_skew_expm_layers`).
+
+        Subclasses that override :meth:`rotation_chunks` override this too.
+        """
+        generators = self.layer_generators()
+        build, last = block_skew_expm_layers(generators, coords, self.series_dtype), len(generators) - 1
+        return lambda layer: functools.partial(build, min(layer, last))
+
+    def apply(self, qk: torch.Tensor, state: tuple, layer: int) -> torch.Tensor:
+        coords, num_prefix_tokens, plan = state
+        chunk = plan(layer)
         if torch.is_grad_enabled():
-            return apply_block_rotation(qk, self.rotations(coords, layer), num_prefix_tokens)
+            return apply_block_rotation(qk, chunk(0, len(coords)), num_prefix_tokens)
         # no autograd: build and apply the rotations a chunk of tokens at a time, so the (h, N, m, b, b) stack of
         # the layer (and its fp64 series) never exists whole; the prefix is copied, not rotated by identities
         tokens = len(coords)
         if qk.shape[-2] != num_prefix_tokens + tokens:  # let apply_block_rotation raise its shape error
-            return apply_block_rotation(qk, self.rotations(coords, layer), num_prefix_tokens)
-        chunk = self.rotation_chunks(coords, layer)
+            return apply_block_rotation(qk, chunk(0, tokens), num_prefix_tokens)
         if tokens <= _CHUNK_TOKENS and not num_prefix_tokens:
             return apply_block_rotation(qk, chunk(0, tokens))
         out = torch.empty_like(qk)

@@ -63,3 +63,6 @@ class LieRE(LieBlockRotary):
     def generators(self, layer: int) -> torch.Tensor:
         raw = self.generator_params[layer if self.generator_params.shape[0] > 1 else 0]
         return skew_from_params(raw, self.block_size)
+
+    def layer_generators(self) -> torch.Tensor:
+        return skew_from_params(self.generator_params, self.block_size)

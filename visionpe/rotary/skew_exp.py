@@ -7,7 +7,7 @@ truncated series for every token is then one matrix product (N, T) @ (T, blocks 
 matrix exponentials, and the exact exponential follows by scaling and squaring: exp(M) = exp(M / 2^s)^(2^s),
 with s set from a bound on the spectral norm so that the truncation error stays below rounding. The count s is a
 Python int read outside any compiled graph; under ``torch.export`` it is a tensor of the weights and each possible
-squaring runs behind a ``torch.cond`` (:func:`_squaring_count`).
+squaring runs behind a ``torch.cond`` (:func:`_squaring_counts`).
 
 When the exponent of a block is a scalar times one fixed skew matrix (ComRoPE), exp((c1 + c2) S) =
 exp(c1 S) exp(c2 S) and only the distinct values of each coordinate need an exponential
@@ -19,6 +19,7 @@ whose rows are all images of the batch (q and k together): each small matrix is 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -29,6 +30,7 @@ __all__ = [
     "linear_skew_expm",
     "block_skew_expm",
     "block_skew_expm_chunks",
+    "block_skew_expm_layers",
     "apply_block_rotation",
 ]
 
@@ -143,44 +145,78 @@ def block_skew_expm_chunks(
     """
     if generators.ndim != 5 or generators.shape[-1] != generators.shape[-2]:
         raise ValueError(f"generators must have shape (H, M, ndim, b, b), got {tuple(generators.shape)}")
-    if coords.ndim != 2 or coords.shape[1] != generators.shape[2]:
-        raise ValueError(f"coords must have shape (N, ndim={generators.shape[2]}), got {tuple(coords.shape)}")
-    heads, blocks, ndim, b, _ = generators.shape
+    return functools.partial(block_skew_expm_layers(generators.unsqueeze(0), coords, dtype), 0)
+
+
+def block_skew_expm_layers(
+    generators: torch.Tensor, coords: torch.Tensor, dtype: torch.dtype = torch.float64
+) -> Callable[[int, int, int], torch.Tensor]:
+    """:func:`block_skew_expm_chunks` for a stack of layers: ``fn(layer, start, stop)`` is
+    ``block_skew_expm(generators[layer], coords, dtype)[:, start:stop]``.
+
+    What does not depend on the tokens is set up once for all layers: the word tables (one short recursion over
+    the (L H M) generators instead of one per layer) and the squaring counts (each layer's own, read in one go).
+
+    Args:
+        generators: (L, H, M, ndim, b, b) skew-symmetric generators of L layers.
+        coords: (N, ndim) token positions.
+        dtype: as :func:`block_skew_expm`.
+    """
+    if generators.ndim != 6 or generators.shape[-1] != generators.shape[-2]:
+        raise ValueError(f"generators must have shape (L, H, M, ndim, b, b), got {tuple(generators.shape)}")
+    if coords.ndim != 2 or coords.shape[1] != generators.shape[3]:
+        raise ValueError(f"coords must have shape (N, ndim={generators.shape[3]}), got {tuple(coords.shape)}")
+    layers, heads, blocks, ndim, b, _ = generators.shape
     device_type = coords.device.type
     if b == 2:  # a 2 x 2 skew generator is a plane rotation: exact closed form
         plane = generators[..., 1, 0].float()
 
-        def plane_chunk(start: int, stop: int) -> torch.Tensor:
+        def plane_chunk(layer: int, start: int, stop: int) -> torch.Tensor:
             with torch.autocast(device_type, enabled=False):
-                angle = torch.einsum("na,hma->hnm", coords[start:stop].float(), plane)
+                angle = torch.einsum("na,hma->hnm", coords[start:stop].float(), plane[layer])
                 cos, sin = angle.cos(), angle.sin()
                 return torch.stack((cos, -sin, sin, cos), dim=-1).view(*angle.shape, 2, 2)
 
         return plane_chunk
     with torch.autocast(device_type, enabled=False):
-        gen, coords = generators.to(dtype).flatten(0, 1), coords.to(dtype)
+        gen, coords = generators.to(dtype).flatten(0, 2), coords.to(dtype)
         with torch.no_grad():
             # M = sum_a p_a A_a is skew: its eigenvalues come in pairs +-i lambda, so ||M||_2 <= ||M||_F / sqrt(2),
-            # and ||M||_F^2 = p^T Gram p with Gram[a, c] = <A_a, A_c>: one squaring count s for all tokens and blocks
+            # and ||M||_F^2 = p^T Gram p with Gram[a, c] = <A_a, A_c>: one squaring count per layer, for all its
+            # tokens and blocks
             gram = torch.einsum("gaij,gcij->gac", gen, gen)
-            norm2 = torch.einsum("na,gac,nc->ng", coords, gram, coords)
-            squarings = _squaring_count(norm2)
+            norm2 = torch.einsum("na,gac,nc->gn", coords, gram, coords).reshape(layers, -1)
+            counts = _squaring_counts(norm2)
             del gram, norm2
-        coords = coords / 2**squarings
 
-        table = _word_table(gen)  # (T, H * M, b, b)
-        table = table.reshape(len(table), heads, -1).transpose(0, 1)  # (H, T, M b b)
+        table = _word_table(gen)  # (T, L H M, b, b)
+        # batch-last squarings pay off for large stacks of small blocks; small stacks (ComRoPE's per-value
+        # exponentials) are cheaper as one bmm per squaring than as b multiply-adds
+        batch_last = (
+            not isinstance(counts, torch.Tensor)
+            and b <= _BATCH_LAST_MAX_BLOCK
+            and heads * blocks * len(coords) >= _BATCH_LAST_MIN_STACK
+        )
+        if batch_last:  # (L, b b H M, T): the series comes out as (b, b, H, M, n), the layout of the squarings
+            table = table.unflatten(1, (layers, -1)).permute(1, 3, 4, 2, 0).reshape(layers, -1, len(table))
+        else:
+            table = table.reshape(len(table), layers, heads, -1).permute(1, 2, 0, 3)  # (L, H, T, M b b)
         levels, _ = _monomials(ndim)
         exponents = torch.tensor([alpha for level in levels for alpha in level], device=coords.device)  # (T, ndim)
         degrees = torch.arange(_ORDER + 1, device=coords.device)
 
-    def series_chunk(start: int, stop: int) -> torch.Tensor:
+    def series_chunk(layer: int, start: int, stop: int) -> torch.Tensor:
         with torch.autocast(device_type, enabled=False):
-            tokens = stop - start
-            powers = coords[start:stop].unsqueeze(-1) ** degrees  # (n, ndim, K + 1)
+            tokens, squarings = stop - start, counts[layer]
+            powers = (coords[start:stop] / 2**squarings).unsqueeze(-1) ** degrees  # (n, ndim, K + 1)
             monomials = powers.gather(2, exponents.T.unsqueeze(0).expand(tokens, -1, -1)).prod(1)  # (n, T)
+            if batch_last:
+                # (b b H M, T) @ (T, n): every token's series at once, batch-last for the squarings, which return
+                # the (H, n, M, b, b) rotations
+                rot = (table[layer] @ monomials.T).view(b, b, heads, blocks, tokens)
+                return _BatchLastSquarings.apply(rot, squarings).float()
             # (n, T) @ (H, T, M b b): every token's series at once, already in the (H, n, M) layout
-            rot = (monomials @ table).view(heads * tokens * blocks, b, b)
+            rot = (monomials @ table[layer]).view(heads * tokens * blocks, b, b)
             del powers, monomials
             if isinstance(squarings, int):
                 for _ in range(squarings):
@@ -193,24 +229,76 @@ def block_skew_expm_chunks(
     return series_chunk
 
 
-def _squaring_count(norm2: torch.Tensor) -> int | torch.Tensor:
-    """Squarings s with ||M||_2 / 2^s <= _THETA for every exponent M, from their squared Frobenius norms.
+_BATCH_LAST_MAX_BLOCK = 16  # block sizes squared batch-last (elementwise over the stack); larger blocks use bmm
+_BATCH_LAST_MIN_STACK = 2048  # and only stacks of at least this many matrices per layer
 
-    A Python int in eager mode, and under torch.compile too: it is read outside the graph, so the compiled code
-    depends on the count only, not on the weights (a training step does not recompile). Under ``torch.export``
-    the count is a function of the weights, so it stays a 0-d tensor (at most :data:`MAX_EXPORT_SQUARINGS`)
-    that the exported graph evaluates when it runs.
+
+def _batch_last_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """out[i, k] = sum_j a[i, j] * b[j, k] for (n, n, G) stacks of G small matrices stored batch-last.
+
+    n multiply-adds over (n, n, G), each contiguous along G: on CPU about twice as fast as torch.bmm of the
+    (G, n, n) stack for n = 8, whose per-matrix gemm calls dominate. Transposed operands are views.
+    """
+    out = a[:, 0, None, :] * b[None, 0, :, :]
+    for j in range(1, a.shape[1]):
+        out.addcmul_(a[:, j, None, :], b[None, j, :, :])
+    return out
+
+
+class _BatchLastSquarings(torch.autograd.Function):
+    """``count`` squarings of a batch-last (b, b, H, M, n) stack, returned batch-first as a contiguous
+    (H, n, M, b, b), the token-major layout :func:`apply_block_rotation` multiplies in (one copy, which also
+    reorders the batch).
+
+    Backward of Y = R R: dR = dY R^T + R^T dY, batch-last too. Only the series is saved: the backward squares it
+    again (cheap next to keeping ``count`` more stacks alive until the backward, which costs memory and, on CPU,
+    fresh pages).
+    """
+
+    @staticmethod
+    def forward(ctx, rot: torch.Tensor, count: int) -> torch.Tensor:
+        ctx.save_for_backward(rot)
+        ctx.count = count
+        for _ in range(count):
+            rot = _batch_last_matmul(rot, rot)
+        return rot.permute(2, 4, 3, 0, 1).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (rot,) = ctx.saved_tensors
+        chain = [rot] if ctx.count else []
+        for _ in range(ctx.count - 1):
+            chain.append(_batch_last_matmul(chain[-1], chain[-1]))
+        grad = grad.permute(3, 4, 0, 2, 1).contiguous()
+        for rot in reversed(chain):
+            rot_t = rot.transpose(0, 1)
+            grad = _batch_last_matmul(grad, rot_t).add_(_batch_last_matmul(rot_t, grad))
+        return grad, None
+
+
+def _squaring_counts(norm2: torch.Tensor) -> list[int] | torch.Tensor:
+    """Squarings s_l with ||M||_2 / 2^s_l <= _THETA for every exponent M of layer l, from the squared Frobenius
+    norms ``norm2`` (L, tokens x blocks).
+
+    Python ints in eager mode, and under torch.compile too: they are read outside the graph (one read for all
+    layers), so the compiled code depends on the counts only, not on the weights (a training step does not
+    recompile). Under ``torch.export`` the counts are a function of the weights, so they stay an (L,) tensor (each
+    at most :data:`MAX_EXPORT_SQUARINGS`) that the exported graph evaluates when it runs.
     """
     if torch.compiler.is_exporting():
-        rho = (norm2.max().clamp(min=0) / 2).sqrt()
+        rho = (norm2.amax(1).clamp(min=0) / 2).sqrt()
         return torch.ceil(torch.log2(rho / _THETA)).clamp(0, MAX_EXPORT_SQUARINGS)
-    return _eager_squaring_count(norm2)
+    return _eager_squaring_counts(norm2)
 
 
 @torch.compiler.disable
-def _eager_squaring_count(norm2: torch.Tensor) -> int:
-    rho = math.sqrt(max(float(norm2.max()), 0.0) / 2) if norm2.numel() else 0.0
-    return max(0, math.ceil(math.log2(rho / _THETA))) if rho > _THETA else 0
+def _eager_squaring_counts(norm2: torch.Tensor) -> list[int]:
+    peaks = norm2.amax(1).tolist() if norm2.numel() else [0.0] * len(norm2)
+    counts = []
+    for peak in peaks:
+        rho = math.sqrt(max(peak, 0.0) / 2)
+        counts.append(max(0, math.ceil(math.log2(rho / _THETA))) if rho > _THETA else 0)
+    return counts
 
 
 def _square(rot: torch.Tensor) -> torch.Tensor:
@@ -249,7 +337,8 @@ def apply_block_rotation(x: torch.Tensor, rot: torch.Tensor, num_prefix_tokens: 
 
     Args:
         x: (..., num_heads, num_prefix_tokens + N, head_dim).
-        rot: (num_heads | 1, N, head_dim // b, b, b) rotations (fp32; cast to x's dtype).
+        rot: (num_heads | 1, N, head_dim // b, b, b) rotations (fp32; cast to x's dtype), in any memory layout:
+            the product runs in the order of (N, head_dim // b) that ``rot`` is stored in.
         num_prefix_tokens: leading tokens of ``x`` that are not rotated.
 
     Returns:
@@ -257,23 +346,68 @@ def apply_block_rotation(x: torch.Tensor, rot: torch.Tensor, num_prefix_tokens: 
     """
     heads, tokens, head_dim = x.shape[-3:]
     nblocks, b = rot.shape[-3], rot.shape[-1]
-    if rot.ndim != 5 or nblocks * b != head_dim or rot.shape[1] != tokens - num_prefix_tokens:
+    if (
+        rot.ndim != 5
+        or nblocks * b != head_dim
+        or rot.shape[1] != tokens - num_prefix_tokens
+        or rot.shape[0] not in (1, heads)
+    ):
         raise ValueError(
-            f"rot (num_heads, N, head_dim // b, b, b) = {tuple(rot.shape)} does not match x {tuple(x.shape)} "
+            f"rot (num_heads | 1, N, head_dim // b, b, b) = {tuple(rot.shape)} does not match x {tuple(x.shape)} "
             f"with {num_prefix_tokens} prefix tokens"
         )
-    rot = rot.to(x.dtype)
-    if num_prefix_tokens:
-        # identity blocks for the prefix: tiny next to x, and the whole sequence stays one product
-        eye = torch.eye(b, dtype=rot.dtype, device=rot.device).expand(rot.shape[0], num_prefix_tokens, nblocks, b, b)
-        rot = torch.cat((eye, rot), dim=1)
-    rot = rot.expand(heads, -1, -1, -1, -1)
-    lead = x.shape[:-3]
-    n = len(lead)
-    # (..., heads, tokens, blocks, b) -> (heads, tokens, blocks, ..., b): one copy; rows are the images (and q, k)
-    rows = x.unflatten(-1, (nblocks, b)).permute(n, n + 1, n + 2, *range(n), n + 3)
-    rows = rows.reshape(heads * tokens * nblocks, -1, b)
-    # row form of R v: v^T R^T, for every (head, token, block) at once
-    out = torch.bmm(rows, rot.reshape(-1, b, b).transpose(1, 2))
-    out = out.view(heads, tokens, nblocks, *lead, b).permute(*range(3, 3 + n), 0, 1, 2, 3 + n)
-    return out.flatten(-2)
+    return _BlockRotation.apply(x, rot.to(x.dtype), num_prefix_tokens)
+
+
+class _BlockRotation(torch.autograd.Function):
+    """R v for every (head, token, block), as one batched product R @ X whose columns are all the vectors that
+    share a rotation: the images of the batch and q and k (and the heads, when ``rot`` is shared by them).
+
+    X is a view of the rotated tokens of x made contiguous in their own (..., heads, N, head_dim) layout (a cheap
+    copy of whole rows): (C, G, b) seen as (G, b, C), column-major matrices that the batched gemm reads in place.
+    (G, b, b) @ (G, b, C) is the fast form of a batched product of small matrices on CPU (the row form
+    (G, C, b) @ (G, b, b) is about twice as slow), and the result goes back to the token layout in one copy,
+    the prefix tokens copied beside it, never multiplied by identities. The backward runs R^T @ dY and dY @ X^T
+    on the same views.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, rot: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
+        mats = rot.reshape(-1, *rot.shape[-2:])  # (G, b, b), G = (heads | 1, N, blocks): a view when contiguous
+        tokens = x[..., num_prefix_tokens:, :].contiguous()
+        out = _BlockRotation._rotate(x, tokens, mats, num_prefix_tokens)
+        ctx.save_for_backward(mats, tokens)
+        ctx.num_prefix_tokens, ctx.rot_shape = num_prefix_tokens, rot.shape
+        return out
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, tokens: torch.Tensor, mats: torch.Tensor, prefix: int) -> torch.Tensor:
+        """``x`` with its tokens after ``prefix`` replaced by ``mats`` @ ``tokens`` (contiguous, per block)."""
+        b = mats.shape[-1]
+        y = torch.bmm(mats, tokens.view(-1, len(mats), b).permute(1, 2, 0))  # (G, b, C)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if prefix:
+            out[..., :prefix, :] = x[..., :prefix, :]
+        # y's (G, b, C) back to (..., heads, N, head_dim): G and C unflattened to the dims they came from
+        shape = tokens.shape  # (*lead, heads, N, head_dim)
+        n = len(shape) - 3
+        if len(mats) == shape[-3] * shape[-2] * (shape[-1] // b):  # a rotation per head: C = lead
+            y = y.view(*shape[-3:-1], -1, b, *shape[:n]).permute(*range(4, 4 + n), 0, 1, 2, 3)
+        else:  # shared by the heads: C = (lead, heads)
+            y = y.view(shape[-2], -1, b, *shape[: n + 1]).permute(*range(3, 4 + n), 0, 1, 2)
+        out[..., prefix:, :].unflatten(-1, (-1, b)).copy_(y)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        mats, tokens = ctx.saved_tensors
+        prefix = ctx.num_prefix_tokens
+        grad = grad_out[..., prefix:, :].contiguous()
+        grad_x = grad_rot = None
+        if ctx.needs_input_grad[0]:  # x = R^T y per block: the forward's product with the transposed rotations
+            grad_x = _BlockRotation._rotate(grad_out, grad, mats.transpose(1, 2), prefix)
+        if ctx.needs_input_grad[1]:
+            b = mats.shape[-1]
+            cols = grad.view(-1, len(mats), b).permute(1, 2, 0)  # (G, b, C)
+            grad_rot = torch.bmm(cols, tokens.view(-1, len(mats), b).transpose(0, 1)).view(ctx.rot_shape)
+        return grad_x, grad_rot, None
