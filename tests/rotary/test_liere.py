@@ -195,25 +195,25 @@ def test_apply_block_rotation_gradients(prefix, heads_rot):
 
 
 @pytest.mark.parametrize("count", [0, 1, 3])
-def test_batch_last_squarings_gradients(count):
-    rot = torch.randn(3, 3, 2, 2, 5, dtype=torch.float64, requires_grad=True)  # (b, b, H, M, n)
-    assert torch.autograd.gradcheck(lambda r: skew_exp._BatchLastSquarings.apply(r, count), (rot,))
-    out = skew_exp._BatchLastSquarings.apply(rot, count)
-    expected = rot.permute(2, 4, 3, 0, 1)
+def test_token_last_squarings_gradients(count):
+    rot = torch.randn(2, 2, 3, 3, 5, dtype=torch.float64, requires_grad=True)  # (H, M, b, b, n)
+    assert torch.autograd.gradcheck(lambda r: skew_exp._TokenLastSquarings.apply(r, count), (rot,))
+    out = skew_exp._TokenLastSquarings.apply(rot, count)
+    expected = rot.permute(0, 4, 1, 2, 3)
     for _ in range(count):
         expected = expected @ expected
     assert out.shape == (2, 5, 2, 3, 3) and torch.allclose(out, expected)
 
 
 @pytest.mark.parametrize("block_size", [4, 8])
-def test_batch_last_and_bmm_exponentials_agree(monkeypatch, block_size):
-    # large stacks square batch-last, small ones with bmm: same rotations and the same gradients either way
+def test_token_last_and_bmm_exponentials_agree(monkeypatch, block_size):
+    # large stacks square tokens-last, small ones with bmm: same rotations and the same gradients either way
     params = (torch.rand(2, 3, 2, block_size * (block_size - 1) // 2, dtype=torch.float64) * 0.7).requires_grad_()
     coords = grid_coords((4, 5)) * 1.5
     weights = torch.randn(2, 20, 3, block_size, block_size, dtype=torch.float64)
     results = []
-    for stack in (0, 10**9):  # everything batch-last, then everything bmm
-        monkeypatch.setattr(skew_exp, "_BATCH_LAST_MIN_STACK", stack)
+    for stack in (0, 10**9):  # everything tokens-last, then everything bmm
+        monkeypatch.setattr(skew_exp, "_TOKEN_LAST_MIN_STACK", stack)
         rot = block_skew_expm(skew_from_params(params, block_size), coords, torch.float64)
         results.append((rot, torch.autograd.grad((rot * weights).sum(), params)[0]))
     (fast, grad_fast), (slow, grad_slow) = results

@@ -98,24 +98,27 @@ def _monomials(ndim: int) -> tuple[list[list[tuple[int, ...]]], list[list[tuple[
 
 
 def _word_table(generators: torch.Tensor) -> torch.Tensor:
-    """(T, G, b, b) matrices W_alpha / |alpha|! for every monomial alpha of degree <= _ORDER, from (G, ndim, b, b)."""
+    """(G, b, b, T) matrices W_alpha / |alpha|! for every monomial alpha of degree <= _ORDER, from (G, ndim, b, b).
+
+    Words are stored (G, b, b, T): left-multiplying all of them by every A_a is one (ndim b x b) @ (b x b T) bmm
+    per degree, and each block's (b b, T) table is a plain matrix for the series product.
+    """
     num_blocks, ndim, b, _ = generators.shape
     levels, parents = _monomials(ndim)
-    # words are stored (G, b, T, b): left-multiplying all T of them by A_a is one (b x b) @ (b x T b) bmm
-    word = torch.eye(b, dtype=generators.dtype, device=generators.device).reshape(1, b, 1, b)
-    word = word.repeat(num_blocks, 1, 1, 1)
-    words = [word]
+    stacked = generators.reshape(num_blocks, ndim * b, b)
+    word = torch.eye(b, dtype=generators.dtype, device=generators.device).reshape(1, b, b, 1)
+    words = [word.expand(num_blocks, -1, -1, -1)]
+    word = words[0].contiguous()
     for k in range(1, _ORDER + 1):
-        prev = word.reshape(num_blocks, b, -1)
-        word = generators.new_zeros(num_blocks, b, len(levels[k]), b)
+        # a word of degree k is A_a times a word of degree k - 1 (first letter a), for every axis a at once
+        prod = torch.bmm(stacked, word.view(num_blocks, b, -1)).view(num_blocks, ndim, b, b, -1)
+        word = generators.new_zeros(num_blocks, b, b, len(levels[k]))
         for axis in range(ndim):
-            # a word of degree k is A_a times a word of degree k - 1 (first letter a)
-            prod = (generators[:, axis] @ prev).view(num_blocks, b, -1, b)
             kept, parent = (torch.tensor(i, dtype=torch.long, device=generators.device) for i in parents[k][axis])
-            word = word.index_add(2, kept, prod.index_select(2, parent))
+            word = word.index_add(3, kept, prod[:, axis].index_select(3, parent))
         word = word / k  # 1/k! accumulates level by level
         words.append(word)
-    return torch.cat(words, dim=2).permute(2, 0, 1, 3)
+    return torch.cat(words, dim=3)
 
 
 def block_skew_expm(generators: torch.Tensor, coords: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -189,18 +192,18 @@ def block_skew_expm_layers(
             counts = _squaring_counts(norm2)
             del gram, norm2
 
-        table = _word_table(gen)  # (T, L H M, b, b)
-        # batch-last squarings pay off for large stacks of small blocks; small stacks (ComRoPE's per-value
+        table = _word_table(gen)  # (L H M, b, b, T)
+        # token-last squarings pay off for large stacks of small blocks; small stacks (ComRoPE's per-value
         # exponentials) are cheaper as one bmm per squaring than as b multiply-adds
-        batch_last = (
+        token_last = (
             not isinstance(counts, torch.Tensor)
-            and b <= _BATCH_LAST_MAX_BLOCK
-            and heads * blocks * len(coords) >= _BATCH_LAST_MIN_STACK
+            and b <= _TOKEN_LAST_MAX_BLOCK
+            and heads * blocks * len(coords) >= _TOKEN_LAST_MIN_STACK
         )
-        if batch_last:  # (L, b b H M, T): the series comes out as (b, b, H, M, n), the layout of the squarings
-            table = table.unflatten(1, (layers, -1)).permute(1, 3, 4, 2, 0).reshape(layers, -1, len(table))
-        else:
-            table = table.reshape(len(table), layers, heads, -1).permute(1, 2, 0, 3)  # (L, H, T, M b b)
+        if token_last:  # per layer (H M b b, T): the series comes out as (H, M, b, b, n), the squarings' layout
+            tables = table.view(layers, -1, table.shape[-1]).unbind(0)
+        else:  # per layer (H, T, M b b)
+            tables = table.view(layers, heads, blocks, b * b, -1).permute(0, 1, 4, 2, 3).flatten(3).unbind(0)
         levels, _ = _monomials(ndim)
         exponents = torch.tensor([alpha for level in levels for alpha in level], device=coords.device)  # (T, ndim)
         degrees = torch.arange(_ORDER + 1, device=coords.device)
@@ -210,13 +213,13 @@ def block_skew_expm_layers(
             tokens, squarings = stop - start, counts[layer]
             powers = (coords[start:stop] / 2**squarings).unsqueeze(-1) ** degrees  # (n, ndim, K + 1)
             monomials = powers.gather(2, exponents.T.unsqueeze(0).expand(tokens, -1, -1)).prod(1)  # (n, T)
-            if batch_last:
-                # (b b H M, T) @ (T, n): every token's series at once, batch-last for the squarings, which return
+            if token_last:
+                # (H M b b, T) @ (T, n): every token's series at once, tokens last for the squarings, which return
                 # the (H, n, M, b, b) rotations
-                rot = (table[layer] @ monomials.T).view(b, b, heads, blocks, tokens)
-                return _BatchLastSquarings.apply(rot, squarings).float()
+                rot = (tables[layer] @ monomials.T).view(heads, blocks, b, b, tokens)
+                return _TokenLastSquarings.apply(rot, squarings).float()
             # (n, T) @ (H, T, M b b): every token's series at once, already in the (H, n, M) layout
-            rot = (monomials @ table[layer]).view(heads * tokens * blocks, b, b)
+            rot = (monomials @ tables[layer]).view(heads * tokens * blocks, b, b)
             del powers, monomials
             if isinstance(squarings, int):
                 for _ in range(squarings):
@@ -229,30 +232,30 @@ def block_skew_expm_layers(
     return series_chunk
 
 
-_BATCH_LAST_MAX_BLOCK = 16  # block sizes squared batch-last (elementwise over the stack); larger blocks use bmm
-_BATCH_LAST_MIN_STACK = 2048  # and only stacks of at least this many matrices per layer
+_TOKEN_LAST_MAX_BLOCK = 16  # block sizes squared tokens-last (elementwise over the tokens); larger blocks use bmm
+_TOKEN_LAST_MIN_STACK = 2048  # and only stacks of at least this many matrices per layer
 
 
-def _batch_last_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """out[i, k] = sum_j a[i, j] * b[j, k] for (n, n, G) stacks of G small matrices stored batch-last.
+def _token_last_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """out[..., i, k, :] = sum_j a[..., i, j, :] * b[..., j, k, :] for stacks of small matrices stored with the
+    tokens last, (..., n, n, tokens).
 
-    n multiply-adds over (n, n, G), each contiguous along G: on CPU about twice as fast as torch.bmm of the
+    n multiply-adds, each contiguous along the tokens: on CPU about twice as fast as torch.bmm of the
     (G, n, n) stack for n = 8, whose per-matrix gemm calls dominate. Transposed operands are views.
     """
-    out = a[:, 0, None, :] * b[None, 0, :, :]
-    for j in range(1, a.shape[1]):
-        out.addcmul_(a[:, j, None, :], b[None, j, :, :])
+    out = a[..., :, 0, None, :] * b[..., None, 0, :, :]
+    for j in range(1, a.shape[-2]):
+        out.addcmul_(a[..., :, j, None, :], b[..., None, j, :, :])
     return out
 
 
-class _BatchLastSquarings(torch.autograd.Function):
-    """``count`` squarings of a batch-last (b, b, H, M, n) stack, returned batch-first as a contiguous
-    (H, n, M, b, b), the token-major layout :func:`apply_block_rotation` multiplies in (one copy, which also
-    reorders the batch).
+class _TokenLastSquarings(torch.autograd.Function):
+    """``count`` squarings of an (H, M, b, b, n) stack stored tokens-last, returned as a contiguous
+    (H, n, M, b, b), the token-major layout :func:`apply_block_rotation` multiplies in (one copy).
 
-    Backward of Y = R R: dR = dY R^T + R^T dY, batch-last too. Only the series is saved: the backward squares it
-    again (cheap next to keeping ``count`` more stacks alive until the backward, which costs memory and, on CPU,
-    fresh pages).
+    Backward of Y = R R: dR = dY R^T + R^T dY, tokens-last too. Only the series is saved: the backward squares
+    it again (cheap next to keeping ``count`` more stacks alive until the backward, which costs memory and, on
+    CPU, fresh pages).
     """
 
     @staticmethod
@@ -260,19 +263,19 @@ class _BatchLastSquarings(torch.autograd.Function):
         ctx.save_for_backward(rot)
         ctx.count = count
         for _ in range(count):
-            rot = _batch_last_matmul(rot, rot)
-        return rot.permute(2, 4, 3, 0, 1).contiguous()
+            rot = _token_last_matmul(rot, rot)
+        return rot.permute(0, 4, 1, 2, 3).contiguous()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (rot,) = ctx.saved_tensors
         chain = [rot] if ctx.count else []
         for _ in range(ctx.count - 1):
-            chain.append(_batch_last_matmul(chain[-1], chain[-1]))
-        grad = grad.permute(3, 4, 0, 2, 1).contiguous()
+            chain.append(_token_last_matmul(chain[-1], chain[-1]))
+        grad = grad.permute(0, 2, 3, 4, 1).contiguous()
         for rot in reversed(chain):
-            rot_t = rot.transpose(0, 1)
-            grad = _batch_last_matmul(grad, rot_t).add_(_batch_last_matmul(rot_t, grad))
+            rot_t = rot.transpose(-3, -2)
+            grad = _token_last_matmul(grad, rot_t).add_(_token_last_matmul(rot_t, grad))
         return grad, None
 
 
