@@ -236,15 +236,17 @@ _TOKEN_LAST_MAX_BLOCK = 16  # block sizes squared tokens-last (elementwise over 
 _TOKEN_LAST_MIN_STACK = 2048  # and only stacks of at least this many matrices per layer
 
 
-def _token_last_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """out[..., i, k, :] = sum_j a[..., i, j, :] * b[..., j, k, :] for stacks of small matrices stored with the
-    tokens last, (..., n, n, tokens).
+def _token_last_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out[..., i, k, :] (+)= sum_j a[..., i, j, :] * b[..., j, k, :] for stacks of small matrices stored with
+    the tokens last, (..., n, n, tokens); accumulates into ``out`` when given.
 
     n multiply-adds, each contiguous along the tokens: on CPU about twice as fast as torch.bmm of the
     (G, n, n) stack for n = 8, whose per-matrix gemm calls dominate. Transposed operands are views.
     """
-    out = a[..., :, 0, None, :] * b[..., None, 0, :, :]
-    for j in range(1, a.shape[-2]):
+    start = 0
+    if out is None:
+        out, start = a[..., :, 0, None, :] * b[..., None, 0, :, :], 1
+    for j in range(start, a.shape[-2]):
         out.addcmul_(a[..., :, j, None, :], b[..., None, j, :, :])
     return out
 
@@ -275,7 +277,7 @@ class _TokenLastSquarings(torch.autograd.Function):
         grad = grad.permute(0, 2, 3, 4, 1).contiguous()
         for rot in reversed(chain):
             rot_t = rot.transpose(-3, -2)
-            grad = _token_last_matmul(grad, rot_t).add_(_token_last_matmul(rot_t, grad))
+            grad = _token_last_matmul(rot_t, grad, out=_token_last_matmul(grad, rot_t))
         return grad, None
 
 
