@@ -233,3 +233,17 @@ def test_layer_plan_equals_per_layer_exponentials():
         assert torch.allclose(build(layer, 7, 19), block_skew_expm(gen[layer], coords)[:, 7:19], atol=1e-6)
     with pytest.raises(ValueError, match=r"generators must have shape \(L, H, M, ndim, b, b\)"):
         block_skew_expm_layers(gen[0], coords)
+
+
+def test_dense_blocks_match_matrix_exp():
+    # blocks above the token-last limit (b = 32) square with bmm: the same exp(sum_a p_a A_a) as matrix_exp
+    scheme = LieRE(64, 2, block_size=32, init_scale=0.3)
+    coords = grid_coords((3, 4))
+    x = torch.randn(1, 2, 12, 32)
+    gen = scheme.generators(0)  # (heads, 1, ndim, 32, 32)
+    exponent = torch.einsum("na,haij->hnij", coords.double(), gen[:, 0].double()).contiguous()
+    expected = torch.linalg.matrix_exp(exponent)
+    out = scheme.rotate(x, coords)
+    assert torch.allclose(out, (expected.float() @ x.unsqueeze(-1)).squeeze(-1), atol=1e-4)
+    out.square().sum().backward()
+    assert scheme.generator_params.grad.abs().sum() > 0
