@@ -7,11 +7,21 @@ in the same run; timm's own RoPE ViTs (Eva) are printed as reference rows.
 
     .venv/bin/python bench/throughput.py                  # all schemes
     .venv/bin/python bench/throughput.py --schemes rope_axial rope_mixed --rounds 5
+    .venv/bin/python bench/throughput.py --malloc retain  # glibc keeps freed memory: no page faults per step
+
+``--malloc retain`` (Linux, glibc) sets M_MMAP_THRESHOLD to its 32 MB maximum and M_TRIM_THRESHOLD beyond any
+heap before the models are built, for every model of the run alike. With the default allocator, freed memory at
+the top of the heap goes back to the OS and the next step touches fresh pages again; how often depends on the
+order of allocations of the whole process (each scheme's intermediates, and the other models of the run), and on
+a virtual machine a page fault costs several microseconds. The retained heap takes that out and times the
+arithmetic and memory traffic alone (as jemalloc or tcmalloc, which PyTorch's CPU tuning guide recommends, do).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import statistics
 import time
 
@@ -22,6 +32,20 @@ import visionpe
 
 REFERENCES = ["vit_small_patch16_rope_224", "vit_small_patch16_rope_mixed_224"]
 COMBOS = [["learned", "rope_mixed"]]
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's largest mmap threshold on 64-bit
+
+
+def retain_heap() -> None:
+    """Make glibc keep freed memory in the heap (no trimming, mmap only above 32 MB) for the rest of the run."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt"):
+        raise SystemExit("--malloc retain needs glibc's mallopt (Linux); use --malloc default")
+    if not (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)):
+        raise SystemExit("mallopt refused the retained-heap settings")
 
 
 def step_time(model: torch.nn.Module, images: torch.Tensor) -> float:
@@ -39,7 +63,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--malloc", choices=["default", "retain"], default="default", help="see the module notes")
     args = parser.parse_args()
+    if args.malloc == "retain":
+        retain_heap()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -65,7 +92,7 @@ def main() -> None:
     base = statistics.median(next(iter(times.values())))
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, {args.size}px, "
-        f"fwd+bwd, median of {args.rounds} interleaved rounds"
+        f"fwd+bwd, median of {args.rounds} interleaved rounds, {args.malloc} malloc"
     )
     print("| model | images/s | ratio to timm ViT-S |")
     print("|---|---|---|")
