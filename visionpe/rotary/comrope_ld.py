@@ -68,11 +68,8 @@ class ComRoPELD(ComRoPEBase):
         values, inverse = distinct_values(coords)  # inverse: (N, ndim)
         theta = self.multipliers.transpose(1, 2)[:, :, None, :, None, None]  # (L, ndim, 1, m, 1, 1)
         gen = (skew.unsqueeze(1) * theta).flatten(1, 2).unsqueeze(3)
-        build, last, inverses = (
-            block_skew_expm_layers(gen, values[:, None], self.series_dtype),
-            len(gen) - 1,
-            inverse.unbind(1),
-        )
+        build = block_skew_expm_layers(gen, values[:, None], self.series_dtype)
+        last, inverses = len(gen) - 1, inverse.unbind(1)
 
         def plan(layer: int) -> Callable[[int, int], torch.Tensor]:
             table = build(min(layer, last), 0, len(values)).unflatten(0, (self.ndim, -1))  # (ndim, h, V, m, b, b)

@@ -1,13 +1,15 @@
 """Shared machinery of the Lie-group rotary schemes (LieRE, ComRoPE): R(p) = exp(sum_a p_a A_a) in b x b blocks.
 
-``prepare`` keeps the (possibly PI-scaled) coordinates; ``apply`` exponentiates the layer's generators once per
-forward for all tokens (never per image: positions are shared by the batch), by default with the series of
-:func:`~visionpe.rotary.skew_exp.block_skew_expm` in :attr:`LieBlockRotary.series_dtype` (fp32 for LieRE, as
-the paper; fp64 for ComRoPE, whose exact relative property fp32 squarings break), and rotates q and k per block with
-one batched product (:func:`~visionpe.rotary.skew_exp.apply_block_rotation`). ComRoPE overrides
-:meth:`LieBlockRotary.rotations` with its cheaper commuting form (one exponential per distinct coordinate).
-Without autograd (inference), ``apply`` builds and applies the rotations a chunk of tokens at a time
-(:meth:`LieBlockRotary.rotation_chunks`), so a layer's (h, N, m, b, b) stack and its fp64 series never exist whole.
+``prepare`` keeps the (possibly PI-scaled) coordinates and sets up, once per forward, what every layer's
+exponentials share (:meth:`LieBlockRotary.rotation_plan`: the word tables of all layers and their squaring
+counts); ``apply`` exponentiates the layer's generators for all tokens (never per image: positions are shared by
+the batch), by default with the series of :func:`~visionpe.rotary.skew_exp.block_skew_expm_layers` in
+:attr:`LieBlockRotary.series_dtype` (fp32 for LieRE, as the paper; fp64 for ComRoPE, whose exact relative property
+fp32 squarings break), and rotates q and k per block with one batched product
+(:func:`~visionpe.rotary.skew_exp.apply_block_rotation`). ComRoPE overrides :meth:`LieBlockRotary.rotation_plan`
+with its cheaper commuting form (one exponential per distinct coordinate). Without autograd (inference), ``apply``
+builds and applies the rotations a chunk of tokens at a time, so a layer's (h, N, m, b, b) stack and its fp64
+series never exist whole.
 Only PI (coordinate scaling) applies: the rotations have no frequency list that NTK or YaRN could rescale.
 """
 
