@@ -81,14 +81,13 @@ def test_onnx_export_of_folded_cayley_string():
 def test_exported_lie_exponentials_follow_the_weights(name, monkeypatch):
     """The squaring count of the exponentials depends on the generators: the exported graph computes it when it
     runs (one torch.cond per possible squaring), so larger generators loaded after export still match eager."""
-    counts, eager_counts = [], skew_exp._eager_squaring_counts
+    counts, eager_count = [], skew_exp._eager_squaring_count
 
     def count(norm2):
-        layers = eager_counts(norm2)
-        counts.extend(layers)
-        return layers
+        counts.append(eager_count(norm2))
+        return counts[-1]
 
-    monkeypatch.setattr(skew_exp, "_eager_squaring_counts", count)
+    monkeypatch.setattr(skew_exp, "_eager_squaring_count", count)
     model = _model(name)
     images = torch.randn(2, 3, 32, 32)
     exported = torch.export.export(model, (images,)).module()

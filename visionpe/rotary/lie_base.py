@@ -1,9 +1,9 @@
 """Shared machinery of the Lie-group rotary schemes (LieRE, ComRoPE): R(p) = exp(sum_a p_a A_a) in b x b blocks.
 
 ``prepare`` keeps the (possibly PI-scaled) coordinates and sets up, once per forward, what every layer's
-exponentials share (:meth:`LieBlockRotary.rotation_plan`: the word tables of all layers and their squaring
-counts); ``apply`` exponentiates the layer's generators for all tokens (never per image: positions are shared by
-the batch), by default with the series of :func:`~visionpe.rotary.skew_exp.block_skew_expm_layers` in
+exponentials share (:meth:`LieBlockRotary.rotation_plan`: the word tables of all layers and the norms that set
+their squaring counts); ``apply`` exponentiates the layer's generators for all tokens (never per image: positions
+are shared by the batch), by default with the series of :func:`~visionpe.rotary.skew_exp.block_skew_expm_layers` in
 :attr:`LieBlockRotary.series_dtype` (fp32 for LieRE, as the paper; fp64 for ComRoPE, whose exact relative property
 fp32 squarings break), and rotates q and k per block with one batched product
 (:func:`~visionpe.rotary.skew_exp.apply_block_rotation`). ComRoPE overrides :meth:`LieBlockRotary.rotation_plan`
@@ -107,7 +107,7 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
     def rotation_plan(self, coords: torch.Tensor) -> Callable[[int], Callable[[int, int], torch.Tensor]]:
         """``plan(layer)`` is :meth:`rotation_chunks` ``(coords, layer)``; built once per forward (in
         :meth:`prepare`), it sets up what every layer needs at once: the word tables of all layers' series and
-        their squaring counts (:func:`~visionpe.rotary.skew_exp.block_skew_expm_layers`).
+        the norms that set their squaring counts (:func:`~visionpe.rotary.skew_exp.block_skew_expm_layers`).
 
         Subclasses that override :meth:`rotation_chunks` override this too.
         """

@@ -7,7 +7,7 @@ truncated series for every token is then one matrix product (N, T) @ (T, blocks 
 matrix exponentials, and the exact exponential follows by scaling and squaring: exp(M) = exp(M / 2^s)^(2^s),
 with s set from a bound on the spectral norm so that the truncation error stays below rounding. The count s is a
 Python int read outside any compiled graph; under ``torch.export`` it is a tensor of the weights and each possible
-squaring runs behind a ``torch.cond`` (:func:`_squaring_counts`).
+squaring runs behind a ``torch.cond`` (:func:`_squaring_count`).
 
 When the exponent of a block is a scalar times one fixed skew matrix (ComRoPE), exp((c1 + c2) S) =
 exp(c1 S) exp(c2 S) and only the distinct values of each coordinate need an exponential
@@ -162,7 +162,7 @@ def block_skew_expm_layers(
     ``block_skew_expm(generators[layer], coords, dtype)[:, start:stop]``.
 
     What does not depend on the tokens is set up once for all layers: the word tables (one short recursion over
-    the (L H M) generators instead of one per layer) and the squaring counts (each layer's own, read in one go).
+    the (L H M) generators instead of one per layer) and the norms that set each layer's squaring count.
 
     Args:
         generators: (L, H, M, ndim, b, b) skew-symmetric generators of L layers.
@@ -193,14 +193,13 @@ def block_skew_expm_layers(
             # tokens and blocks
             gram = torch.einsum("gaij,gcij->gac", gen, gen)
             norm2 = torch.einsum("na,gac,nc->gn", coords, gram, coords).reshape(layers, -1)
-            counts = _squaring_counts(norm2)
-            del gram, norm2
+            del gram
 
         table = _word_table(gen)  # (L H M, b, b, T)
         # token-last squarings pay off for large stacks of small blocks; small stacks (ComRoPE's per-value
         # exponentials) are cheaper as one bmm per squaring than as b multiply-adds
         token_last = (
-            not isinstance(counts, torch.Tensor)
+            not torch.compiler.is_exporting()
             and b <= _TOKEN_LAST_MAX_BLOCK
             and heads * blocks * len(coords) >= _TOKEN_LAST_MIN_STACK
         )
@@ -214,7 +213,8 @@ def block_skew_expm_layers(
 
     def series_chunk(layer: int, start: int, stop: int) -> torch.Tensor:
         with torch.autocast(device_type, enabled=False):
-            tokens, squarings = stop - start, counts[layer]
+            # read per layer (not all layers at once), so that a compiled graph depends on its own layer's count only
+            tokens, squarings = stop - start, _squaring_count(norm2[layer])
             powers = (coords[start:stop] / 2**squarings).unsqueeze(-1) ** degrees  # (n, ndim, K + 1)
             monomials = powers.gather(2, exponents.T.unsqueeze(0).expand(tokens, -1, -1)).prod(1)  # (n, T)
             if token_last:
@@ -285,29 +285,24 @@ class _TokenLastSquarings(torch.autograd.Function):
         return grad, None
 
 
-def _squaring_counts(norm2: torch.Tensor) -> list[int] | torch.Tensor:
-    """Squarings s_l with ||M||_2 / 2^s_l <= _THETA for every exponent M of layer l, from the squared Frobenius
-    norms ``norm2`` (L, tokens x blocks).
+def _squaring_count(norm2: torch.Tensor) -> int | torch.Tensor:
+    """Squarings s with ||M||_2 / 2^s <= _THETA for every exponent M of a layer, from their squared Frobenius norms.
 
-    Python ints in eager mode, and under torch.compile too: they are read outside the graph (one read for all
-    layers), so the compiled code depends on the counts only, not on the weights (a training step does not
-    recompile). Under ``torch.export`` the counts are a function of the weights, so they stay an (L,) tensor (each
-    at most :data:`MAX_EXPORT_SQUARINGS`) that the exported graph evaluates when it runs.
+    A Python int in eager mode, and under torch.compile too: it is read outside the graph, so the compiled code
+    depends on the count only, not on the weights (a training step does not recompile). Under ``torch.export``
+    the count is a function of the weights, so it stays a 0-d tensor (at most :data:`MAX_EXPORT_SQUARINGS`)
+    that the exported graph evaluates when it runs.
     """
     if torch.compiler.is_exporting():
-        rho = (norm2.amax(1).clamp(min=0) / 2).sqrt()
+        rho = (norm2.max().clamp(min=0) / 2).sqrt()
         return torch.ceil(torch.log2(rho / _THETA)).clamp(0, MAX_EXPORT_SQUARINGS)
-    return _eager_squaring_counts(norm2)
+    return _eager_squaring_count(norm2)
 
 
 @torch.compiler.disable
-def _eager_squaring_counts(norm2: torch.Tensor) -> list[int]:
-    peaks = norm2.amax(1).tolist() if norm2.numel() else [0.0] * len(norm2)
-    counts = []
-    for peak in peaks:
-        rho = math.sqrt(max(peak, 0.0) / 2)
-        counts.append(max(0, math.ceil(math.log2(rho / _THETA))) if rho > _THETA else 0)
-    return counts
+def _eager_squaring_count(norm2: torch.Tensor) -> int:
+    rho = math.sqrt(max(float(norm2.max()), 0.0) / 2) if norm2.numel() else 0.0
+    return max(0, math.ceil(math.log2(rho / _THETA))) if rho > _THETA else 0
 
 
 def _square(rot: torch.Tensor) -> torch.Tensor:
