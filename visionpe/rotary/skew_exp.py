@@ -341,8 +341,8 @@ def apply_block_rotation(x: torch.Tensor, rot: torch.Tensor, num_prefix_tokens: 
 
     Args:
         x: (..., num_heads, num_prefix_tokens + N, head_dim).
-        rot: (num_heads | 1, N, head_dim // b, b, b) rotations (fp32; cast to x's dtype), in any memory layout:
-            the product runs in the order of (N, head_dim // b) that ``rot`` is stored in.
+        rot: (num_heads | 1, N, head_dim // b, b, b) rotations (fp32; cast to x's dtype); read in place when
+            contiguous, copied otherwise.
         num_prefix_tokens: leading tokens of ``x`` that are not rotated.
 
     Returns:
