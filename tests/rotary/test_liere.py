@@ -194,6 +194,25 @@ def test_apply_block_rotation_gradients(prefix, heads_rot):
     assert torch.autograd.gradcheck(lambda x, r: apply_block_rotation(x, r, prefix), (qk, rot))
 
 
+def test_apply_block_rotation_keeps_x_not_a_copy():
+    # the backward copies the rotated tokens again: what stays saved is x's own storage (in attention a view of
+    # the qkv projection, alive anyway) and the rotations, never a second copy of the tokens
+    qkv = torch.randn(2, 7, 3, 3, 8, requires_grad=True)
+    qk = qkv.permute(2, 0, 3, 1, 4)[:2]
+    rot = torch.linalg.matrix_exp(skew_from_params(torch.randn(3, 6, 2, 6), 4)).requires_grad_()
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = apply_block_rotation(qk, rot, 1)
+    assert set(saved) <= {qkv.untyped_storage().data_ptr(), rot.untyped_storage().data_ptr()}, saved
+    out.square().sum().backward()
+    assert qkv.grad is not None and rot.grad is not None
+
+
 @pytest.mark.parametrize("count", [0, 1, 3])
 def test_token_last_squarings_gradients(count):
     rot = torch.randn(2, 2, 3, 3, 5, dtype=torch.float64, requires_grad=True)  # (H, M, b, b, n)
