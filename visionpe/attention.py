@@ -64,12 +64,21 @@ class PosAttention(Attention):
             return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
         B, N, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        if not pos.rotary:
+        rotary, plain_qk = pos.rotary, isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
+        basis = None
+        if rotary and plain_qk and type(self.qkv) is nn.Linear:
+            # a first rotary scheme that starts with a fixed matrix P on q and k (STRING): P goes into the
+            # projection weights for this forward instead of multiplying every token's q and k
+            folded = rotary[0][0].projection_basis(rotary[0][1], self.layer)
+            if folded is not None:
+                basis, rest = folded
+                rotary = [(rotary[0][0], rest), *rotary[1:]]
+        qkv = self.project_qkv(x, basis).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if not rotary:
             q, k, v = qkv.unbind(0)
             q, k = self.q_norm(q), self.k_norm(k)
         else:
-            if isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
+            if plain_qk:
                 # split (not slice or unbind): its backward is one cat, without zero-filled gradient buffers
                 qk, v = qkv.split([2, 1])
                 v = v.squeeze(0)
@@ -77,7 +86,7 @@ class PosAttention(Attention):
                 q, k, v = qkv.unbind(0)
                 qk = torch.stack((self.q_norm(q), self.k_norm(k)))
             # q and k rotate together: one pass over both per scheme
-            for scheme, state in pos.rotary:
+            for scheme, state in rotary:
                 qk = scheme.apply(qk, state, self.layer)
             q, k = qk.unbind(0)
             if torch.compiler.is_compiling():
@@ -112,6 +121,25 @@ class PosAttention(Attention):
         if gate is not None:
             x = x * gate
         return self.proj_drop(self.proj(x))
+
+    def project_qkv(self, x: torch.Tensor, basis: torch.Tensor | None = None) -> torch.Tensor:
+        """``self.qkv(x)``, with q and k of every head multiplied by ``basis`` (num_heads | 1, head_dim, head_dim)
+        when given: the weights become P W_q, P W_k (and the biases P b), computed in fp32 once per forward.
+
+        A (heads, head_dim, head_dim) @ (2, heads, head_dim, dim) product and its backward cost a fraction of
+        multiplying the (2, B, heads, N, head_dim) activations, and nothing of activation size is kept for it.
+        """
+        if basis is None:
+            return self.qkv(x)
+        weight, bias, qk_rows = self.qkv.weight, self.qkv.bias, 2 * self.num_heads * self.head_dim
+        with torch.autocast(x.device.type, enabled=False):
+            basis = basis.to(weight.dtype)
+            qk_weight = basis @ weight[:qk_rows].unflatten(0, (2, self.num_heads, self.head_dim))
+            weight = torch.cat((qk_weight.flatten(0, 2), weight[qk_rows:]))
+            if bias is not None:
+                qk_bias = basis @ bias[:qk_rows].view(2, self.num_heads, self.head_dim, 1)
+                bias = torch.cat((qk_bias.flatten(), bias[qk_rows:]))
+        return F.linear(x, weight, bias)
 
     def query_chunk_rows(self, batch: int, num_tokens: int) -> int:
         """Query rows per chunk so that a (batch, heads, rows, num_tokens) fp32 bias fits ``bias_chunk_bytes``."""

@@ -147,6 +147,16 @@ class RotaryPositionEncoding(PositionEncoding, ABC):
     def apply(self, qk: torch.Tensor, state: Any, layer: int) -> torch.Tensor:
         """``qk``: (..., B, num_heads, num_prefix_tokens + N, head_dim), q and k stacked in front."""
 
+    def projection_basis(self, state: Any, layer: int) -> tuple[torch.Tensor, Any] | None:
+        """``(P, rest)`` when :meth:`apply` starts by multiplying every token's q and k by a matrix P that is the
+        same for all tokens, P: (num_heads | 1, head_dim, head_dim), and ``apply(qk, rest, layer)`` does what is
+        left; None otherwise (the default).
+
+        Attention may then fold P into the q/k projection weights for this forward (P W_q, P W_k: a product of
+        weight size, not of activation size) and call ``apply`` with ``rest``.
+        """
+        return None
+
     def rotate(self, x: torch.Tensor, coords: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """Rotate ``x`` (B, num_heads, N, head_dim) by the positions ``coords`` (N, ndim).
 

@@ -108,6 +108,50 @@ def test_fold_string_keeps_outputs(name):
         fold_string_(model)
 
 
+@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize("qkv_bias", [True, False])
+def test_attention_folds_the_basis_into_the_projection(name, qkv_bias, monkeypatch):
+    # every forward multiplies W_q, W_k (and their biases) by P instead of every token's q and k: the same
+    # outputs and the same gradients for every parameter as the activation product
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "visionpe_vit_tiny_patch16_224",
+        pos_embed=name,
+        depth=2,
+        embed_dim=64,
+        num_heads=2,
+        qkv_bias=qkv_bias,
+        dynamic_img_size=True,
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    images = torch.randn(2, 3, 48, 80)
+    params = [p for p in model.parameters() if p.requires_grad]
+    folded_bases = []
+    project = visionpe.PosAttention.project_qkv
+
+    def spy(self, x, basis=None):
+        folded_bases.append(basis is not None)
+        return project(self, x, basis)
+
+    monkeypatch.setattr(visionpe.PosAttention, "project_qkv", spy)
+    results = []
+    for fold in (True, False):
+        if not fold:
+            monkeypatch.setattr(type(model.pos_schemes[name]), "projection_basis", lambda self, state, layer: None)
+        out = model(images)
+        results.append((out, torch.autograd.grad(out.square().sum(), params)))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results[-1] += (model(images).float(),)
+    assert folded_bases == [True, True, True, True, False, False, False, False]
+    (out_fold, grads_fold, bf16_fold), (out_apply, grads_apply, bf16_apply) = results
+    torch.testing.assert_close(out_fold, out_apply, rtol=1e-4, atol=1e-5)
+    for got, expected in zip(grads_fold, grads_apply, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-4)
+    assert torch.isfinite(bf16_fold).all() and (bf16_fold - bf16_apply).abs().max() < 0.05
+
+
 def test_fold_string_rejects_models_without_string_or_with_qk_norm():
     plain = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed="rope_axial", depth=1)
     with pytest.raises(ValueError, match="no STRING scheme"):

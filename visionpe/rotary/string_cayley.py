@@ -79,6 +79,12 @@ class StringBase(LinearRotary):
             qk = qk @ basis.to(qk.dtype).transpose(-1, -2)
         return super().apply(qk, rotary, layer)
 
+    def projection_basis(self, state, layer: int) -> tuple[torch.Tensor, tuple] | None:
+        rotary, basis = state
+        if basis is None:  # folded for good (fold_string_)
+            return None
+        return (basis[layer] if basis.shape[0] > 1 else basis[0]), (rotary, None)
+
     def rotate(self, x: torch.Tensor, coords: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """R(r) x for ``x`` (B, num_heads, N, head_dim) at ``coords`` (N, ndim), folded or not."""
         rotary = LinearRotary.prepare(self, check_rotate_input(self, x, coords, layer), 0)
