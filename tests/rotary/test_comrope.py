@@ -124,3 +124,18 @@ def test_chunked_no_grad_apply_equals_whole(monkeypatch, cls, rotate_prefix):
         rot = torch.cat([parts(start, min(start + 8, len(coords))) for start in range(0, len(coords), 8)], 1)
     assert torch.allclose(chunked, whole, atol=1e-6)
     assert torch.allclose(rot, scheme.rotations(coords, 1), atol=1e-7)
+
+
+@pytest.mark.parametrize("axes", [2, 3])
+def test_ld_gathered_product_gradients(axes):
+    # the hand-written backward of the gathered per-axis factors (kept as tables, gathered again) against
+    # finite differences, with factors that do not commute so that every transpose and order is checked
+    from visionpe.rotary.comrope_ld import _GatheredProduct
+
+    tables = [torch.randn(2, 3 + a, 2, 3, 3, dtype=torch.float64, requires_grad=True) for a in range(axes)]
+    rows = tuple(torch.randint(0, 3 + a, (5,)) for a in range(axes))
+    assert torch.autograd.gradcheck(lambda *t: _GatheredProduct.apply(rows, *t), tuple(tables))
+    expected = tables[0][:, rows[0]]
+    for table, index in zip(tables[1:], rows[1:], strict=True):
+        expected = expected @ table[:, index]
+    assert torch.allclose(_GatheredProduct.apply(rows, *tables), expected)
