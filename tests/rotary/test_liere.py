@@ -211,6 +211,12 @@ def test_apply_block_rotation_keeps_x_not_a_copy():
     assert set(saved) <= {qkv.untyped_storage().data_ptr(), rot.untyped_storage().data_ptr()}, saved
     out.square().sum().backward()
     assert qkv.grad is not None and rot.grad is not None
+    # and the result keeps x's memory order, (B, N, 2, heads, head_dim) for q and k cut from qkv, so that
+    # attention's output (and the reshape after it) keeps timm's layout
+    assert out.permute(1, 3, 0, 2, 4).is_contiguous()
+    assert torch.allclose(
+        out[..., 1:, :], (rot @ qk[..., 1:, :].unflatten(-1, (2, 4)).unsqueeze(-1)).squeeze(-1).flatten(-2)
+    )
 
 
 @pytest.mark.parametrize("count", [0, 1, 3])

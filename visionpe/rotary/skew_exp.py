@@ -394,7 +394,12 @@ class _BlockRotation(torch.autograd.Function):
         """``x`` with its tokens after ``prefix`` replaced by ``mats`` @ ``tokens`` (contiguous, per block)."""
         b = mats.shape[-1]
         y = torch.bmm(mats, tokens.view(-1, len(mats), b).permute(1, 2, 0))  # (G, b, C)
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        # in x's own memory order (dims by decreasing stride): for q and k cut from the qkv projection that is
+        # (B, N, 2, heads, head_dim), so attention's output keeps the (B, N, heads, head_dim) order and the
+        # reshape after it stays a view, as in timm's Attention (a contiguous (2, B, heads, N, head_dim) made
+        # attention write (B, heads, N, head_dim) and the reshape copy and keep it)
+        order = sorted(range(x.ndim), key=lambda dim: -x.stride(dim))
+        out = torch.empty_permuted(x.shape, order, dtype=x.dtype, device=x.device)
         if prefix:
             out[..., :prefix, :] = x[..., :prefix, :]
         # y's (G, b, C) back to (..., heads, N, head_dim): G and C unflattened to the dims they came from
