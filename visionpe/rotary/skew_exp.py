@@ -398,8 +398,9 @@ class _BlockRotation(torch.autograd.Function):
         # (B, N, 2, heads, head_dim), so attention's output keeps the (B, N, heads, head_dim) order and the
         # reshape after it stays a view, as in timm's Attention (a contiguous (2, B, heads, N, head_dim) made
         # attention write (B, heads, N, head_dim) and the reshape copy and keep it)
+        # (empty + permute rather than empty_permuted, which ONNX export cannot translate)
         order = sorted(range(x.ndim), key=lambda dim: -x.stride(dim))
-        out = torch.empty_permuted(x.shape, order, dtype=x.dtype, device=x.device)
+        out = x.new_empty([x.shape[dim] for dim in order]).permute(sorted(range(x.ndim), key=order.__getitem__))
         if prefix:
             out[..., :prefix, :] = x[..., :prefix, :]
         # y's (G, b, C) back to (..., heads, N, head_dim): G and C unflattened to the dims they came from
