@@ -123,23 +123,29 @@ class PosAttention(Attention):
         return self.proj_drop(self.proj(x))
 
     def project_qkv(self, x: torch.Tensor, basis: torch.Tensor | None = None) -> torch.Tensor:
-        """``self.qkv(x)``, with q and k of every head multiplied by ``basis`` (num_heads | 1, head_dim, head_dim)
-        when given: the weights become P W_q, P W_k (and the biases P b), computed in fp32 once per forward.
+        """``self.qkv(x)``, with q and k of every head multiplied by ``basis`` when given
+        (:meth:`fold_qk_basis`, once per forward).
 
         A (heads, head_dim, head_dim) @ (2, heads, head_dim, dim) product and its backward cost a fraction of
         multiplying the (2, B, heads, N, head_dim) activations, and nothing of activation size is kept for it.
         """
         if basis is None:
             return self.qkv(x)
+        return F.linear(x, *self.fold_qk_basis(basis))
+
+    def fold_qk_basis(self, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weight, bias) of the qkv projection with the q and k rows of every head multiplied by ``basis``
+        (num_heads | 1, head_dim, head_dim): P W_q, P W_k and P b, in the weights' dtype without autocast; the v
+        rows unchanged. Differentiable in P and the weights; :func:`~visionpe.fold_string_` writes it back."""
         weight, bias, qk_rows = self.qkv.weight, self.qkv.bias, 2 * self.num_heads * self.head_dim
-        with torch.autocast(x.device.type, enabled=False):
+        with torch.autocast(weight.device.type, enabled=False):
             basis = basis.to(weight.dtype)
             qk_weight = basis @ weight[:qk_rows].unflatten(0, (2, self.num_heads, self.head_dim))
             weight = torch.cat((qk_weight.flatten(0, 2), weight[qk_rows:]))
             if bias is not None:
                 qk_bias = basis @ bias[:qk_rows].view(2, self.num_heads, self.head_dim, 1)
                 bias = torch.cat((qk_bias.flatten(), bias[qk_rows:]))
-        return F.linear(x, weight, bias)
+        return weight, bias
 
     def query_chunk_rows(self, batch: int, num_tokens: int) -> int:
         """Query rows per chunk so that a (batch, heads, rows, num_tokens) fp32 bias fits ``bias_chunk_bytes``."""

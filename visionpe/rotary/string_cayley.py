@@ -180,15 +180,10 @@ def fold_string_(model: nn.Module) -> nn.Module:
                     f"attention has {heads} heads of {head_dim} channels, the scheme {scheme.num_heads} of "
                     f"{scheme.head_dim}"
                 )
-            p = basis[attn.layer] if basis.shape[0] > 1 else basis[0]
-            p = p.expand(heads, head_dim, head_dim).to(attn.qkv.weight.dtype)
-            width = heads * head_dim
-            for start in (0, width):  # q rows, then k rows of the fused qkv projection
-                rows = attn.qkv.weight[start : start + width].view(heads, head_dim, -1)
-                attn.qkv.weight[start : start + width] = (p @ rows).reshape(width, -1)
-                if attn.qkv.bias is not None:
-                    bias = attn.qkv.bias[start : start + width].view(heads, head_dim, 1)
-                    attn.qkv.bias[start : start + width] = (p @ bias).reshape(width)
+            weight, bias = attn.fold_qk_basis(basis[attn.layer] if basis.shape[0] > 1 else basis[0])
+            attn.qkv.weight.copy_(weight)
+            if bias is not None:
+                attn.qkv.bias.copy_(bias)
         scheme.folded.fill_(True)
         scheme.is_folded = True
     return model
