@@ -80,20 +80,20 @@ class ComRoPELD(ComRoPEBase):
                 with torch.autocast(coords.device.type, enabled=False):  # the product of the factors stays fp32
                     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
                         return _GatheredProduct.apply(rows, *tables)
-                    return _gathered_product(rows, tables)[-1]
+                    return _gathered_product(rows, tables)
 
             return gather
 
         return plan
 
 
-def _gathered_product(rows: tuple[torch.Tensor, ...], tables: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Partial products F_0, F_0 F_1, ... of the factors F_a = tables[a][:, rows[a]], (h, n, m, b, b) each."""
-    products = []
+def _gathered_product(rows: tuple[torch.Tensor, ...], tables: Sequence[torch.Tensor]) -> torch.Tensor:
+    """F_0 F_1 ... of the factors F_a = tables[a][:, rows[a]], (h, n, m, b, b) each."""
+    product = None
     for table, index in zip(tables, rows, strict=True):
         factor = table.index_select(1, index)  # every token's row
-        products.append(factor if not products else products[-1] @ factor)
-    return products
+        product = factor if product is None else product @ factor
+    return product
 
 
 class _GatheredProduct(torch.autograd.Function):
@@ -108,7 +108,7 @@ class _GatheredProduct(torch.autograd.Function):
     def forward(ctx, rows: tuple[torch.Tensor, ...], *tables: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(*rows, *tables)
         ctx.axes = len(tables)
-        return _gathered_product(rows, tables)[-1]
+        return _gathered_product(rows, tables)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
