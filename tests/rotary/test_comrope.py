@@ -139,3 +139,32 @@ def test_ld_gathered_product_gradients(axes):
     for table, index in zip(tables[1:], rows[1:], strict=True):
         expected = expected @ table[:, index]
     assert torch.allclose(_GatheredProduct.apply(rows, *tables), expected)
+
+
+@pytest.mark.parametrize("ndim, grid", [(2, (3, 5)), (3, (2, 3, 4))])
+def test_ld_grid_product_equals_per_token_exponentials(monkeypatch, ndim, grid):
+    # patch tokens are a whole row-major grid: the rotations are one product per head and block of the per-axis
+    # factors stacked side by side (grid_product); same values and gradients as exp(sum_a x_a A_a) per token
+    from visionpe.rotary import comrope_ld
+
+    calls = []
+    monkeypatch.setattr(comrope_ld, "grid_product", lambda f, real=comrope_ld.grid_product: calls.append(1) or real(f))
+    scheme = ComRoPELD(128, 2, depth=2, ndim=ndim)
+    coords = scheme.prepare(grid_coords(grid, mode="normalized"), num_prefix_tokens=1)[0]
+    fast, slow = scheme.rotations(coords, 1), LieBlockRotary.rotations(scheme, coords, 1)
+    assert calls and torch.allclose(fast, slow, atol=1e-6)
+    weights = torch.randn_like(fast)
+    grads = [torch.autograd.grad((rot * weights).sum(), list(scheme.parameters())) for rot in (fast, slow)]
+    for g_fast, g_slow in zip(*grads, strict=True):
+        assert torch.allclose(g_fast, g_slow, atol=1e-4, rtol=1e-4)
+
+
+def test_ld_grid_rows_only_for_a_whole_row_major_grid():
+    from visionpe.rotary.comrope_ld import grid_rows
+
+    inverse = torch.cartesian_prod(torch.tensor([0, 2, 3]), torch.tensor([1, 4]))
+    rows = grid_rows(inverse)
+    assert [r.tolist() for r in rows] == [[0, 2, 3], [1, 4]]
+    assert grid_rows(inverse.flip(0)) is None  # every combination, but not in row-major order
+    assert grid_rows(inverse[1:]) is None  # a combination missing
+    assert grid_rows(torch.cat((inverse[:1], inverse))) is None  # a token twice (a prefix at a grid value)
