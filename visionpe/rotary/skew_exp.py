@@ -1,11 +1,14 @@
 """Block rotations R(p) = exp(sum_a p_a A_a) for Lie-group position encodings (LieRE, ComRoPE), and their application.
 
-The generators A_a are b x b skew-symmetric blocks shared by every token, so the Taylor series of the exponent,
-(sum_a p_a A_a)^k = sum_{|alpha| = k} p^alpha W_alpha, splits into token monomials p^alpha and matrices
-W_alpha (the sum of all words in the A_a with letter counts alpha) that do not depend on the token. The
-truncated series for every token is then one matrix product (N, T) @ (T, blocks * b * b) instead of N small
-matrix exponentials, and the exact exponential follows by scaling and squaring: exp(M) = exp(M / 2^s)^(2^s),
-with s set from a bound on the spectral norm so that the truncation error stays below rounding. The count s is a
+The generators A_a are b x b skew-symmetric blocks shared by every token, so the powers of the exponent,
+(sum_a p_a A_a)^k = sum_{|alpha| = k} p^alpha W_alpha, split into token monomials p^alpha and matrices
+W_alpha (the sum of all words in the A_a with letter counts alpha) that do not depend on the token. A degree-12
+polynomial of the exponent for every token is then one matrix product (N, T) @ (T, blocks * b * b) instead of N
+small matrix exponentials, and the exact exponential follows by scaling and squaring: exp(M) = exp(M / 2^s)^(2^s),
+with s set from a bound on the spectral norm so that the polynomial's error stays below rounding. The polynomial
+is the Chebyshev truncation of exp on the imaginary segment that holds a skew matrix's eigenvalues
+(:func:`_economized_exp`): as accurate on norms up to 2.8 as the Taylor polynomial is up to 1.5, so one squaring
+fewer (LieRE in ViT-S: 4 instead of 5 per layer). The count s is a
 Python int read outside any compiled graph; under ``torch.export`` it is a tensor of the weights and each possible
 squaring runs behind a ``torch.cond`` (:func:`_squaring_count`).
 
@@ -38,9 +41,40 @@ __all__ = [
     "apply_block_rotation",
 ]
 
-_ORDER = 12  # Taylor degree: theta^13 / 13! < 4e-8 for theta = 1.5
-_THETA = 1.5  # largest spectral norm evaluated by the series directly
-# squarings an exported graph can run (each behind a torch.cond): spectral norms up to 1.5 * 2^20 = 1.6e6
+_ORDER = 12  # degree of the polynomial that stands for exp on the scaled exponent
+_THETA = 2.8  # largest spectral norm evaluated by the polynomial directly
+
+
+def _economized_exp(theta: float, order: int) -> tuple[float, ...]:
+    """Monomial coefficients c_k of the degree-``order`` Chebyshev truncation of exp on the segment i[-theta, theta].
+
+    A skew-symmetric M is normal with eigenvalues i lambda, |lambda| <= ||M||_2, so ||p(M) - exp(M)||_2 is the
+    largest |p(i lambda) - exp(i lambda)| over them. The Jacobi-Anger expansion exp(i theta t) = sum_k eps_k i^k
+    J_k(theta) T_k(t) (eps_0 = 1, eps_k = 2) cut at degree 12 errs by at most 2.3e-8 for theta = 2.8, less than the
+    Taylor polynomial of the same degree does on [-1.5, 1.5] (3.1e-8): one squaring fewer for the same accuracy.
+    Rewritten in z = i theta t the coefficients are real; c_k k! = 1 up to k = 6 within 5e-5 (0.85 for k = 11).
+    """
+
+    def bessel(k: int) -> float:  # J_k(theta) by its power series (40 terms: exact in double for theta < 10)
+        return sum((-1) ** m * (theta / 2) ** (2 * m + k) / (math.factorial(m) * math.factorial(m + k)) for m in range(40))
+
+    cheb = [[1], [0, 1]]  # monomial coefficients of T_k in t: T_{k+1} = 2 t T_k - T_{k-1}
+    while len(cheb) <= order:
+        cheb.append([2 * c for c in [0, *cheb[-1]]])
+        for n, c in enumerate(cheb[-3]):
+            cheb[-1][n] -= c
+    coeffs = [0.0] * (order + 1)
+    for k in range(order + 1):
+        weight = bessel(k) * (1 if k == 0 else 2)
+        for n, tau in enumerate(cheb[k]):
+            if tau:  # i^k T_k(t) with t = -i z / theta: i^(k - n) = (-1)^((k - n) / 2), k - n even
+                coeffs[n] += weight * tau * (-1) ** ((k - n) // 2) / theta**n
+    return tuple(coeffs)
+
+
+# c_k k!: the word table holds W_alpha / |alpha|!, and each token's monomials are scaled by these per degree
+_DEGREE_SCALE = tuple(c * math.factorial(k) for k, c in enumerate(_economized_exp(_THETA, _ORDER)))
+# squarings an exported graph can run (each behind a torch.cond): spectral norms up to 2.8 * 2^20 = 2.9e6
 MAX_EXPORT_SQUARINGS = 20
 
 
@@ -209,6 +243,9 @@ def block_skew_expm_layers(
             tables = table.view(layers, heads, blocks, b * b, -1).permute(0, 1, 4, 2, 3).flatten(3).unbind(0)
         levels, _ = _monomials(ndim)
         exponents = torch.tensor([alpha for level in levels for alpha in level], device=coords.device)  # (T, ndim)
+        # (T,) c_|alpha| |alpha|!: with the table's W_alpha / |alpha|!, the product sums c_k (sum_a p_a A_a)^k
+        scale = torch.tensor([_DEGREE_SCALE[k] for k, level in enumerate(levels) for _ in level], dtype=dtype)
+        scale = scale.to(coords.device)
         degrees = torch.arange(_ORDER + 1, device=coords.device)
 
     def series_chunk(layer: int, start: int, stop: int) -> torch.Tensor:
@@ -216,7 +253,7 @@ def block_skew_expm_layers(
             # read per layer (not all layers at once), so that a compiled graph depends on its own layer's count only
             tokens, squarings = stop - start, _squaring_count(norm2[layer])
             powers = (coords[start:stop] / 2**squarings).unsqueeze(-1) ** degrees  # (n, ndim, K + 1)
-            monomials = powers.gather(2, exponents.T.unsqueeze(0).expand(tokens, -1, -1)).prod(1)  # (n, T)
+            monomials = powers.gather(2, exponents.T.unsqueeze(0).expand(tokens, -1, -1)).prod(1) * scale  # (n, T)
             if token_last:
                 # (H M b b, T) @ (T, n): every token's series at once, tokens last for the squarings, which return
                 # the (H, n, M, b, b) rotations
