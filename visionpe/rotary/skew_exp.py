@@ -136,27 +136,27 @@ def _monomials(ndim: int) -> tuple[list[list[tuple[int, ...]]], list[list[tuple[
 
 
 def _word_table(generators: torch.Tensor) -> torch.Tensor:
-    """(G, b, b, T) matrices W_alpha / |alpha|! for every monomial alpha of degree <= _ORDER, from (G, ndim, b, b).
+    """(G, T, b, b) matrices W_alpha / |alpha|! for every monomial alpha of degree <= _ORDER, from (G, ndim, b, b).
 
-    Words are stored (G, b, b, T): left-multiplying all of them by every A_a is one (ndim b x b) @ (b x b T) bmm
-    per degree, and each block's (b b, T) table is a plain matrix for the series product.
+    A word of degree k is a word of degree k - 1 times its last letter A_a, so right-multiplying all the words of a
+    degree by every A_a at once is one (T b x b) @ (b x ndim b) bmm per block, and the degrees concatenate along
+    T in whole (T_k, b, b) runs per block (stored (G, b, b, T), the concatenation copied runs of 1-13 numbers and
+    cost more than the products).
     """
     num_blocks, ndim, b, _ = generators.shape
     levels, parents = _monomials(ndim)
-    stacked = generators.reshape(num_blocks, ndim * b, b)
-    word = torch.eye(b, dtype=generators.dtype, device=generators.device).reshape(1, b, b, 1)
-    words = [word.expand(num_blocks, -1, -1, -1)]
-    word = words[0].contiguous()
+    letters = generators.permute(0, 2, 1, 3).reshape(num_blocks, b, ndim * b)  # [A_0 | A_1 | ...] side by side
+    word = torch.eye(b, dtype=generators.dtype, device=generators.device).expand(num_blocks, 1, b, b)
+    words = [word]
     for k in range(1, _ORDER + 1):
-        # a word of degree k is A_a times a word of degree k - 1 (first letter a), for every axis a at once
-        prod = torch.bmm(stacked, word.view(num_blocks, b, -1)).view(num_blocks, ndim, b, b, -1)
-        word = generators.new_zeros(num_blocks, b, b, len(levels[k]))
+        prod = torch.bmm(word.reshape(num_blocks, -1, b), letters).view(num_blocks, -1, b, ndim, b)
+        word = generators.new_zeros(num_blocks, len(levels[k]), b, b)
         for axis in range(ndim):
             kept, parent = (torch.tensor(i, dtype=torch.long, device=generators.device) for i in parents[k][axis])
-            word = word.index_add(3, kept, prod[:, axis].index_select(3, parent))
+            word = word.index_add(1, kept, prod[:, :, :, axis].index_select(1, parent))
         word = word / k  # 1/k! accumulates level by level
         words.append(word)
-    return torch.cat(words, dim=3)
+    return torch.cat(words, dim=1)
 
 
 def block_skew_expm(generators: torch.Tensor, coords: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -229,7 +229,7 @@ def block_skew_expm_layers(
             norm2 = torch.einsum("na,gac,nc->gn", coords, gram, coords).reshape(layers, -1)
             del gram
 
-        table = _word_table(gen)  # (L H M, b, b, T)
+        table = _word_table(gen)  # (L H M, T, b, b)
         # token-last squarings pay off for large stacks of small blocks; small stacks (ComRoPE's per-value
         # exponentials) are cheaper as one bmm per squaring than as b multiply-adds
         token_last = (
@@ -237,10 +237,10 @@ def block_skew_expm_layers(
             and b <= _TOKEN_LAST_MAX_BLOCK
             and heads * blocks * len(coords) >= _TOKEN_LAST_MIN_STACK
         )
-        if token_last:  # per layer (H M b b, T): the series comes out as (H, M, b, b, n), the squarings' layout
-            tables = table.view(layers, -1, table.shape[-1]).unbind(0)
+        if token_last:  # per layer (H M, T, b b): the series comes out as (H, M, b, b, n), the squarings' layout
+            tables = table.view(layers, heads * blocks, -1, b * b).unbind(0)
         else:  # per layer (H, T, M b b)
-            tables = table.view(layers, heads, blocks, b * b, -1).permute(0, 1, 4, 2, 3).flatten(3).unbind(0)
+            tables = table.view(layers, heads, blocks, -1, b * b).transpose(2, 3).flatten(3).unbind(0)
         levels, _ = _monomials(ndim)
         exponents = torch.tensor([alpha for level in levels for alpha in level], device=coords.device)  # (T, ndim)
         # (T,) c_|alpha| |alpha|!: with the table's W_alpha / |alpha|!, the product sums c_k (sum_a p_a A_a)^k
@@ -255,9 +255,9 @@ def block_skew_expm_layers(
             powers = (coords[start:stop] / 2**squarings).unsqueeze(-1) ** degrees  # (n, ndim, K + 1)
             monomials = powers.gather(2, exponents.T.unsqueeze(0).expand(tokens, -1, -1)).prod(1) * scale  # (n, T)
             if token_last:
-                # (H M b b, T) @ (T, n): every token's series at once, tokens last for the squarings, which return
+                # (H M, b b, T) @ (T, n): every token's series at once, tokens last for the squarings, which return
                 # the (H, n, M, b, b) rotations
-                rot = (tables[layer] @ monomials.T).view(heads, blocks, b, b, tokens)
+                rot = (tables[layer].transpose(1, 2) @ monomials.T).view(heads, blocks, b, b, tokens)
                 return _TokenLastSquarings.apply(rot, squarings).float()
             # (n, T) @ (H, T, M b b): every token's series at once, already in the (H, n, M) layout
             rot = (monomials @ tables[layer]).view(heads * tokens * blocks, b, b)
