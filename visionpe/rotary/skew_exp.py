@@ -8,9 +8,9 @@ small matrix exponentials, and the exact exponential follows by scaling and squa
 with s set from a bound on the spectral norm so that the polynomial's error stays below rounding. The polynomial
 is the Chebyshev truncation of exp on the imaginary segment that holds a skew matrix's eigenvalues
 (:func:`_economized_exp`): as accurate on norms up to 2.8 as the Taylor polynomial is up to 1.5, so one squaring
-fewer (LieRE in ViT-S: 4 instead of 5 per layer). The count s is a
-Python int read outside any compiled graph; under ``torch.export`` it is a tensor of the weights and each possible
-squaring runs behind a ``torch.cond`` (:func:`_squaring_count`).
+fewer (LieRE in ViT-S: 4 instead of 5 per layer). The count s is a Python int read outside any compiled graph;
+under ``torch.export`` it is a tensor of the weights and each possible squaring runs behind a ``torch.cond``
+(:func:`_squaring_count`).
 
 When the exponent of a block is a scalar times one fixed skew matrix (ComRoPE), exp((c1 + c2) S) =
 exp(c1 S) exp(c2 S) and only the distinct values of each coordinate need an exponential
@@ -56,7 +56,8 @@ def _economized_exp(theta: float, order: int) -> tuple[float, ...]:
     """
 
     def bessel(k: int) -> float:  # J_k(theta) by its power series (40 terms: exact in double for theta < 10)
-        return sum((-1) ** m * (theta / 2) ** (2 * m + k) / (math.factorial(m) * math.factorial(m + k)) for m in range(40))
+        half = theta / 2
+        return sum((-1) ** m * half ** (2 * m + k) / (math.factorial(m) * math.factorial(m + k)) for m in range(40))
 
     cheb = [[1], [0, 1]]  # monomial coefficients of T_k in t: T_{k+1} = 2 t T_k - T_{k-1}
     while len(cheb) <= order:
@@ -140,8 +141,8 @@ def _word_table(generators: torch.Tensor) -> torch.Tensor:
 
     A word of degree k is a word of degree k - 1 times its last letter A_a, so right-multiplying all the words of a
     degree by every A_a at once is one (T b x b) @ (b x ndim b) bmm per block, and the degrees concatenate along
-    T in whole (T_k, b, b) runs per block (stored (G, b, b, T), the concatenation copied runs of 1-13 numbers and
-    cost more than the products).
+    T in whole (T_k, b, b) runs per block (in a (G, b, b, T) layout the concatenation copies runs of 1-13 numbers
+    and costs more than the products).
     """
     num_blocks, ndim, b, _ = generators.shape
     levels, parents = _monomials(ndim)
