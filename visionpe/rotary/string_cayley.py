@@ -40,6 +40,12 @@ def cayley_orthogonal(skew: torch.Tensor) -> torch.Tensor:
         return torch.linalg.solve(eye + skew, eye - skew)
 
 
+def _layer_basis(basis: torch.Tensor, layer: int) -> torch.Tensor:
+    """P of block ``layer`` from :meth:`StringBase.string_basis` (depth | 1, ...): one P shared by every layer or
+    one per layer."""
+    return basis[layer] if basis.shape[0] > 1 else basis[0]
+
+
 class StringBase(LinearRotary):
     """STRING as RoPE(r) times a fixed-per-forward orthogonal basis change ``string_basis()``.
 
@@ -75,7 +81,7 @@ class StringBase(LinearRotary):
     def apply(self, qk: torch.Tensor, state, layer: int) -> torch.Tensor:
         rotary, basis = state
         if basis is not None:
-            basis = basis[layer] if basis.shape[0] > 1 else basis[0]
+            basis = _layer_basis(basis, layer)
             qk = qk @ basis.to(qk.dtype).transpose(-1, -2)
         return super().apply(qk, rotary, layer)
 
@@ -83,13 +89,12 @@ class StringBase(LinearRotary):
         rotary, basis = state
         if basis is None:  # folded for good (fold_string_)
             return None
-        return (basis[layer] if basis.shape[0] > 1 else basis[0]), (rotary, None)
+        return _layer_basis(basis, layer), (rotary, None)
 
     def rotate(self, x: torch.Tensor, coords: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """R(r) x for ``x`` (B, num_heads, N, head_dim) at ``coords`` (N, ndim), folded or not."""
         rotary = LinearRotary.prepare(self, check_rotate_input(self, x, coords, layer), 0)
-        basis = self.string_basis()
-        basis = basis[layer] if basis.shape[0] > 1 else basis[0]
+        basis = _layer_basis(self.string_basis(), layer)
         out = LinearRotary.apply(self, x @ basis.to(x.dtype).transpose(-1, -2), rotary, layer)
         out_basis = self.rotation_output_basis()
         return out if out_basis is None else out @ out_basis.to(x.dtype)
@@ -180,7 +185,7 @@ def fold_string_(model: nn.Module) -> nn.Module:
                     f"attention has {heads} heads of {head_dim} channels, the scheme {scheme.num_heads} of "
                     f"{scheme.head_dim}"
                 )
-            weight, bias = attn.fold_qk_basis(basis[attn.layer] if basis.shape[0] > 1 else basis[0])
+            weight, bias = attn.fold_qk_basis(_layer_basis(basis, attn.layer))
             attn.qkv.weight.copy_(weight)
             if bias is not None:
                 attn.qkv.bias.copy_(bias)
