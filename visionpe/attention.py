@@ -73,7 +73,17 @@ class PosAttention(Attention):
             if folded is not None:
                 basis, rest = folded
                 rotary = [(rotary[0][0], rest), *rotary[1:]]
-        qkv = self.project_qkv(x, basis).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        if len(rotary) == 1 and plain_qk:
+            # a scheme that rotates q and k inside the projection output (LieRE, ComRoPE): q, k, v stay views of
+            # one buffer, as in timm. Projected from the flattened tokens, the output is the gemm's own tensor,
+            # not a view of it, so autograd records the in-place rotation without copying its gradient
+            qkv = self.project_qkv(x.reshape(B * N, -1), basis)
+            rotated = rotary[0][0].apply_qkv_(qkv, rotary[0][1], self.layer, self.num_heads)
+            if rotated is not None:
+                qkv, rotary = rotated, []
+        else:
+            qkv = self.project_qkv(x, basis)
+        qkv = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         if not rotary:
             q, k, v = qkv.unbind(0)
             q, k = self.q_norm(q), self.k_norm(k)

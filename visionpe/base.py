@@ -147,6 +147,16 @@ class RotaryPositionEncoding(PositionEncoding, ABC):
     def apply(self, qk: torch.Tensor, state: Any, layer: int) -> torch.Tensor:
         """``qk``: (..., B, num_heads, num_prefix_tokens + N, head_dim), q and k stacked in front."""
 
+    def apply_qkv_(self, qkv: torch.Tensor, state: Any, layer: int, num_heads: int) -> torch.Tensor | None:
+        """Rotate q and k inside the fused projection output ``qkv`` (B * (num_prefix_tokens + N), 3 * num_heads *
+        head_dim) in place and return it, or return None (the default) to have attention cut q and k from it and
+        call :meth:`apply`.
+
+        For schemes whose backward needs only the rotated q and k: attention then cuts q, k, v from one buffer
+        as timm's Attention does, and no second q/k buffer lives from forward to backward.
+        """
+        return None
+
     def projection_basis(self, state: Any, layer: int) -> tuple[torch.Tensor, Any] | None:
         """``(P, rest)`` when :meth:`apply` starts by multiplying every token's q and k by a matrix P that is the
         same for all tokens, P: (num_heads | 1, head_dim, head_dim), and ``apply(qk, rest, layer)`` does what is

@@ -23,7 +23,13 @@ import torch
 
 from ..base import RotaryPositionEncoding
 from .scaling import Extrapolation
-from .skew_exp import apply_block_rotation, block_skew_expm, block_skew_expm_chunks, block_skew_expm_layers
+from .skew_exp import (
+    apply_block_rotation,
+    block_skew_expm,
+    block_skew_expm_chunks,
+    block_skew_expm_layers,
+    rotate_qkv_blocks_,
+)
 
 __all__ = ["LieBlockRotary"]
 
@@ -109,11 +115,22 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
         :meth:`prepare`), it sets up what every layer needs at once: the word tables of all layers' series and
         the norms that set their squaring counts (:func:`~visionpe.rotary.skew_exp.block_skew_expm_layers`).
 
-        Subclasses that override :meth:`rotation_chunks` override this too.
+        Subclasses that override :meth:`rotation_chunks` override this too. A chunk function may carry
+        ``rotate_qkv_(qkv, num_heads, num_prefix_tokens)``, which :meth:`apply_qkv_` then calls instead of
+        building the rotations: this one squares and rotates in one step that keeps only the series for the
+        backward.
         """
         generators = self.layer_generators()
         build, last = block_skew_expm_layers(generators, coords, self.series_dtype), len(generators) - 1
-        return lambda layer: functools.partial(build, min(layer, last))
+        rotate = getattr(build, "rotate_qkv_", None)  # not for 2 x 2 blocks (closed-form plane rotations)
+
+        def plan(layer: int) -> Callable[[int, int], torch.Tensor]:
+            chunk = functools.partial(build, min(layer, last))
+            if rotate is not None:
+                chunk.rotate_qkv_ = functools.partial(rotate, min(layer, last))
+            return chunk
+
+        return plan
 
     def apply(self, qk: torch.Tensor, state: tuple, layer: int) -> torch.Tensor:
         coords, num_prefix_tokens, plan = state
@@ -134,3 +151,17 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
             rows = slice(num_prefix_tokens + start, num_prefix_tokens + stop)
             out[..., rows, :] = apply_block_rotation(qk[..., rows, :], chunk(start, stop))
         return out
+
+    def apply_qkv_(self, qkv: torch.Tensor, state: tuple, layer: int, num_heads: int) -> torch.Tensor | None:
+        """With autograd in eager mode: q and k rotated in place in the fused projection output
+        (:func:`~visionpe.rotary.skew_exp.rotate_qkv_blocks_`), whose backward needs only the rotated vectors.
+        Otherwise None: without autograd :meth:`apply` rotates a chunk of tokens at a time, and a compiled or
+        traced graph takes the out-of-place :meth:`apply`."""
+        coords, num_prefix_tokens, plan = state
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return None
+        chunk, tokens = plan(layer), num_prefix_tokens + len(coords)
+        rotate = getattr(chunk, "rotate_qkv_", None)  # a plan that rotates without keeping the rotations
+        if rotate is not None:
+            return rotate(qkv, num_heads, num_prefix_tokens, tokens)
+        return rotate_qkv_blocks_(qkv, chunk(0, len(coords)), num_heads, num_prefix_tokens, tokens)

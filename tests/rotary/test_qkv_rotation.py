@@ -1,0 +1,161 @@
+"""Block rotations applied in place to the fused q/k/v projection (LieRE, ComRoPE in training attention)."""
+
+import pytest
+import timm
+import torch
+
+import visionpe
+from visionpe.grid import grid_coords
+from visionpe.rotary.lie_base import LieBlockRotary
+from visionpe.rotary.liere import LieRE
+from visionpe.rotary.skew_exp import apply_block_rotation, rotate_qkv_blocks_, skew_from_params
+
+LIE_SCHEMES = ["liere", "comrope_ap", "comrope_ld"]
+
+
+def _rotations(heads_rot, tokens, blocks, b, dtype=torch.float64):
+    """Orthogonal (heads | 1, N, blocks, b, b) rotations (the backward relies on R^T R = I)."""
+    skew = skew_from_params(torch.randn(heads_rot, tokens, blocks, b * (b - 1) // 2, dtype=dtype), b)
+    return torch.linalg.matrix_exp(skew)
+
+
+def _cut(qkv, heads):
+    """(q and k as attention cuts them, v) of a (B, T, 3 heads head_dim) projection."""
+    parts = qkv.unflatten(-1, (3, heads, -1)).permute(2, 0, 3, 1, 4)
+    return parts[:2], parts[2]
+
+
+@pytest.mark.parametrize("prefix", [0, 2])
+@pytest.mark.parametrize("heads_rot", [1, 3])
+@pytest.mark.parametrize("flat", [False, True])
+def test_in_place_rotation_equals_apply_block_rotation(prefix, heads_rot, flat):
+    heads, tokens, b = 3, 5, 4
+    rot = _rotations(heads_rot, tokens, 2, b)
+    qkv = torch.randn(2, prefix + tokens, 3 * heads * 2 * b, dtype=torch.float64)
+    qk, v = _cut(qkv, heads)
+    expected = apply_block_rotation(qk, rot, prefix)
+    work = qkv.clone()
+    if flat:  # (B * T, 3 heads head_dim), tokens per image given, as attention passes it
+        out = rotate_qkv_blocks_(work.flatten(0, 1), rot, heads, prefix, tokens=prefix + tokens).view_as(qkv)
+    else:
+        out = rotate_qkv_blocks_(work, rot, heads, prefix)
+        assert out is work
+    out_qk, out_v = _cut(out, heads)
+    assert torch.allclose(out_qk, expected, atol=1e-12)
+    assert torch.equal(out_v, v) and torch.equal(out_qk[..., :prefix, :], qk[..., :prefix, :])
+
+
+@pytest.mark.parametrize("prefix", [0, 1])
+@pytest.mark.parametrize("heads_rot", [1, 2])
+def test_in_place_rotation_gradients(prefix, heads_rot):
+    # the backward recovers dL/dR from the rotated vectors, (dY Y^T) R: exact for orthogonal R, which
+    # finite differences around an orthogonal R check
+    heads, tokens, b = 2, 3, 4
+    rot = _rotations(heads_rot, tokens, 2, b).requires_grad_()
+    qkv = torch.randn(2, prefix + tokens, 3 * heads * 2 * b, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, r: rotate_qkv_blocks_(x.clone(), r, heads, prefix), (qkv, rot))
+
+
+def test_in_place_rotation_rejects_bad_input():
+    rot = _rotations(2, 4, 2, 4, torch.float32)
+    qkv = torch.randn(2, 5, 48)
+    with pytest.raises(ValueError, match="rot"):
+        rotate_qkv_blocks_(qkv, rot, 2, num_prefix_tokens=0)  # 5 tokens, 4 rotations
+    with pytest.raises(ValueError, match="num_heads"):
+        rotate_qkv_blocks_(qkv, rot, 5, num_prefix_tokens=1)  # 48 is not 3 * 5 * head_dim
+    with pytest.raises(ValueError, match="contiguous"):
+        rotate_qkv_blocks_(torch.randn(2, 96, 5).transpose(1, 2)[..., :48], rot, 2, num_prefix_tokens=1)
+    with pytest.raises(ValueError, match="tokens"):
+        rotate_qkv_blocks_(qkv.flatten(0, 1), rot, 2, num_prefix_tokens=1, tokens=3)  # 10 rows, 3 per image
+    with pytest.raises(ValueError, match="num_prefix_tokens"):
+        rotate_qkv_blocks_(qkv, rot, 2, num_prefix_tokens=-1)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"), [("liere", {}), ("liere", {"block_size": 2}), ("comrope_ap", {}), ("comrope_ld", {})]
+)
+def test_scheme_apply_qkv_equals_apply(name, kwargs):
+    # LieRE's plan squares and rotates in one step (the rotations are not kept); ComRoPE's and 2 x 2 LieRE's
+    # rotate by their rotations: all equal the out-of-place apply, values and gradients
+    scheme = visionpe.create_pos_embed(name, dim=64, num_heads=2, depth=2, **kwargs)
+    for param in scheme.parameters():
+        param.data.normal_(0, 0.3)
+    tokens = 1 + 20
+    qkv = torch.randn(3 * tokens, 3 * 64)
+
+    def prepare():  # per run: the word tables built here are part of each run's graph
+        return scheme.prepare(scheme.coords((4, 5)), 1, grid_size=(4, 5))
+
+    def in_place(x):
+        out = scheme.apply_qkv_(x.clone(), prepare(), 1, 2)
+        assert out is not None
+        return out.view(3, tokens, -1)
+
+    def out_of_place(x):
+        x = x.view(3, tokens, -1)
+        qk, v = _cut(x, 2)
+        rotated = scheme.apply(qk, prepare(), 1)  # (2, B, heads, T, head_dim) back to (B, T, 3 heads head_dim)
+        return torch.cat((rotated, v.unsqueeze(0))).permute(1, 3, 0, 2, 4).flatten(2)
+
+    results = []
+    for fn in (in_place, out_of_place):
+        x = qkv.clone().requires_grad_()
+        out = fn(x)
+        weights = torch.linspace(-1, 1, out.numel()).view(out.shape)
+        grads = torch.autograd.grad((out * weights).sum(), [x, *scheme.parameters()])
+        results.append((out, grads))
+    (out, grads), (ref, ref_grads) = results
+    assert torch.allclose(out, ref, atol=1e-5)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):  # fp32 series and squarings: 1e-5 of the norm
+        assert (grad - ref_grad).norm() <= 1e-5 * ref_grad.norm()
+
+
+def test_apply_qkv_only_with_autograd_in_eager_mode():
+    # without autograd apply rotates a chunk of tokens at a time (bounded memory at large grids): no in-place path
+    scheme = LieRE(64, 2, depth=1)
+    state = scheme.prepare(grid_coords((3, 3)), 1)
+    with torch.no_grad():
+        assert scheme.apply_qkv_(torch.randn(10, 192), state, 0, 2) is None
+    assert scheme.apply_qkv_(torch.randn(10, 192), state, 0, 2) is not None
+
+
+@pytest.mark.parametrize("name", LIE_SCHEMES)
+def test_model_in_place_equals_out_of_place_and_keeps_less(monkeypatch, name):
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "visionpe_vit_small_patch16_224", pos_embed=[name], img_size=64, depth=2, embed_dim=96, num_heads=3
+    )
+    images = torch.randn(2, 3, 64, 64)
+    calls = []
+    original = LieBlockRotary.apply_qkv_
+
+    def spy(self, *args):
+        out = original(self, *args)
+        calls.append(out is not None)
+        return out
+
+    def run():
+        saved = set()
+
+        def pack(tensor):
+            saved.add((tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()))
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = model(images)
+        out.square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return out, grads, sum(nbytes for _, nbytes in saved)
+
+    monkeypatch.setattr(LieBlockRotary, "apply_qkv_", spy)
+    out, grads, kept = run()
+    assert calls == [True, True]
+    monkeypatch.setattr(LieBlockRotary, "apply_qkv_", lambda *args: None)
+    ref, ref_grads, ref_kept = run()
+    assert torch.allclose(out, ref, atol=1e-5)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        assert (grad - ref_grad).norm() <= 1e-5 * ref_grad.norm()
+    # no rotated copy of q and k kept for the backward: 2 (q, k) * B * T * dim fp32 per block fewer
+    qk_bytes = 2 * 2 * (1 + 16) * 96 * 4
+    assert ref_kept - kept >= 2 * qk_bytes
