@@ -1,4 +1,5 @@
-"""Block rotations applied in place to the fused q/k/v projection (LieRE, ComRoPE in training attention)."""
+"""Rotations applied in place to the fused q/k/v projection output, as attention runs them: LieRE and ComRoPE's
+block rotations, and the complex pair rotation of RoPE and STRING."""
 
 import pytest
 import timm
@@ -6,11 +7,14 @@ import torch
 
 import visionpe
 from visionpe.grid import grid_coords
+from visionpe.rotary.base import LinearRotary
+from visionpe.rotary.functional import apply_rotary, rotary_tables, rotate_qkv_pairs_
 from visionpe.rotary.lie_base import LieBlockRotary
 from visionpe.rotary.liere import LieRE
 from visionpe.rotary.skew_exp import apply_block_rotation, rotate_qkv_blocks_, skew_from_params
 
 LIE_SCHEMES = ["liere", "comrope_ap", "comrope_ld"]
+LINEAR_SCHEMES = ["rope_axial", "rope_mixed", "string_cayley", "string_circulant"]
 
 
 def _rotations(heads_rot, tokens, blocks, b, dtype=torch.float64):
@@ -119,15 +123,16 @@ def test_apply_qkv_only_with_autograd_in_eager_mode():
     assert scheme.apply_qkv_(torch.randn(10, 192), state, 0, 2) is not None
 
 
-@pytest.mark.parametrize("name", LIE_SCHEMES)
+@pytest.mark.parametrize("name", LIE_SCHEMES + LINEAR_SCHEMES)
 def test_model_in_place_equals_out_of_place_and_keeps_less(monkeypatch, name):
     torch.manual_seed(0)
     model = timm.create_model(
         "visionpe_vit_small_patch16_224", pos_embed=[name], img_size=64, depth=2, embed_dim=96, num_heads=3
     )
     images = torch.randn(2, 3, 64, 64)
+    owner = LieBlockRotary if name in LIE_SCHEMES else LinearRotary
     calls = []
-    original = LieBlockRotary.apply_qkv_
+    original = owner.apply_qkv_
 
     def spy(self, *args):
         out = original(self, *args)
@@ -148,10 +153,10 @@ def test_model_in_place_equals_out_of_place_and_keeps_less(monkeypatch, name):
         model.zero_grad(set_to_none=True)
         return out, grads, sum(nbytes for _, nbytes in saved)
 
-    monkeypatch.setattr(LieBlockRotary, "apply_qkv_", spy)
+    monkeypatch.setattr(owner, "apply_qkv_", spy)
     out, grads, kept = run()
     assert calls == [True, True]
-    monkeypatch.setattr(LieBlockRotary, "apply_qkv_", lambda *args: None)
+    monkeypatch.setattr(owner, "apply_qkv_", lambda *args: None)
     ref, ref_grads, ref_kept = run()
     assert torch.allclose(out, ref, atol=1e-5)
     for grad, ref_grad in zip(grads, ref_grads, strict=True):
@@ -159,3 +164,78 @@ def test_model_in_place_equals_out_of_place_and_keeps_less(monkeypatch, name):
     # no rotated copy of q and k kept for the backward: 2 (q, k) * B * T * dim fp32 per block fewer
     qk_bytes = 2 * 2 * (1 + 16) * 96 * 4
     assert ref_kept - kept >= 2 * qk_bytes
+
+
+@pytest.mark.parametrize("heads_rot", [1, 3])
+@pytest.mark.parametrize("flat", [False, True])
+def test_pair_rotation_equals_apply_rotary(heads_rot, flat):
+    heads, tokens, head_dim = 3, 7, 8
+    cos, sin = rotary_tables(torch.randn(heads_rot, tokens - 1, head_dim // 2) * 3, num_prefix_tokens=1)
+    qkv = torch.randn(2, tokens, 3 * heads * head_dim)
+    qk, v = _cut(qkv, heads)
+    expected = apply_rotary(qk, cos, sin)
+    work = qkv.clone()
+    out = rotate_qkv_pairs_(work.flatten(0, 1) if flat else work, cos, sin, heads).view_as(qkv)
+    assert out.data_ptr() == work.data_ptr()
+    out_qk, out_v = _cut(out, heads)
+    assert torch.allclose(out_qk, expected, atol=1e-6) and torch.equal(out_v, v)
+
+
+@pytest.mark.parametrize("heads_rot", [1, 3])
+@pytest.mark.parametrize("mscale", [1.0, 1.3])
+def test_pair_rotation_gradients_equal_apply_rotary(heads_rot, mscale):
+    # the backward recovers dL/df from the rotated pairs, dL/dy conj(y) / conj(f): also for |f| != 1 (YaRN's
+    # attention factor scales the tables)
+    heads, tokens, head_dim = 3, 6, 8
+    angles = (torch.randn(heads_rot, tokens, head_dim // 2) * 3).requires_grad_()
+    qkv = torch.randn(2, tokens, 3 * heads * head_dim, requires_grad=True)
+    weights = torch.randn(2, tokens, 3 * heads * head_dim)
+
+    def in_place():
+        cos, sin = rotary_tables(angles)
+        return rotate_qkv_pairs_(qkv.clone(), cos * mscale, sin * mscale, heads)
+
+    def out_of_place():
+        cos, sin = rotary_tables(angles)
+        qk, v = _cut(qkv, heads)
+        rotated = apply_rotary(qk, cos * mscale, sin * mscale)
+        return torch.cat((rotated, v.unsqueeze(0))).permute(1, 3, 0, 2, 4).flatten(2)
+
+    grads = [torch.autograd.grad((fn() * weights).sum(), [qkv, angles]) for fn in (in_place, out_of_place)]
+    for grad, ref in zip(*grads, strict=True):
+        assert torch.allclose(grad, ref, atol=1e-5)
+
+
+def test_pair_rotation_rejects_bad_input():
+    cos, sin = rotary_tables(torch.randn(2, 5, 4))
+    with pytest.raises(ValueError, match="float32"):
+        rotate_qkv_pairs_(torch.randn(2, 5, 48, dtype=torch.float64), cos, sin, 2)
+    with pytest.raises(ValueError, match="cos and sin"):
+        rotate_qkv_pairs_(torch.randn(2, 6, 48), cos, sin, 2)  # 6 tokens, tables for 5
+    with pytest.raises(ValueError, match="num_heads"):
+        rotate_qkv_pairs_(torch.randn(2, 5, 48), cos, sin, 0)
+
+
+@pytest.mark.parametrize("name", LINEAR_SCHEMES)
+def test_linear_scheme_apply_qkv_equals_apply_at_a_larger_grid_with_yarn(name):
+    scheme = visionpe.create_pos_embed(name, dim=64, num_heads=2, depth=2, grid_size=(3, 4), extrapolation="yarn")
+    tokens = 1 + 30
+    qkv = torch.randn(2 * tokens, 3 * 64)
+
+    def run(in_place):
+        state = scheme.prepare(scheme.coords((5, 6)), 1, grid_size=(5, 6))
+        folded = scheme.projection_basis(state, 1)
+        x = qkv.clone()
+        if folded is not None:  # STRING: P goes into the projection in attention; here onto the q and k columns
+            basis, state = folded
+            x = x.view(2, tokens, 3, 2, 32)
+            x[:, :, :2] = (x[:, :, :2].unsqueeze(-2) @ basis.transpose(-1, -2)).squeeze(-2)
+            x = x.view(2 * tokens, -1)
+        if in_place:
+            out = scheme.apply_qkv_(x, state, 1, 2)
+            assert out is not None
+            return out.view(2, tokens, -1)
+        qk, v = _cut(x.view(2, tokens, -1), 2)
+        return torch.cat((scheme.apply(qk, state, 1), v.unsqueeze(0))).permute(1, 3, 0, 2, 4).flatten(2)
+
+    assert torch.allclose(run(True), run(False), atol=1e-5)

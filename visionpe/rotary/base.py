@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import RotaryPositionEncoding
-from .functional import apply_rotary, rotary_angles, rotary_tables
+from .functional import apply_rotary, rotary_angles, rotary_tables, rotate_qkv_pairs_
 from .scaling import Extrapolation, scale_frequencies, yarn_attention_factor
 
 __all__ = ["LinearRotary", "LayerAngles"]
@@ -99,6 +99,22 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
         if freqs.shape[0] > 1:
             return LayerAngles(coords, freqs, num_prefix_tokens, mscale)
         return _tables(coords, freqs, num_prefix_tokens, mscale)
+
+    def apply_qkv_(
+        self, qkv: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | LayerAngles, layer: int, num_heads: int
+    ) -> torch.Tensor | None:
+        """fp32 in eager mode: q and k rotated in place in the fused projection output
+        (:func:`~visionpe.rotary.functional.rotate_qkv_pairs_`); otherwise None (:meth:`apply`: the real form
+        for low precision, ONNX export and compiled graphs)."""
+        if (
+            qkv.dtype != torch.float32
+            or torch.compiler.is_compiling()
+            or torch.jit.is_tracing()
+            or torch.onnx.is_in_onnx_export()
+        ):
+            return None
+        cos, sin = self.layer_tables(state, layer)
+        return rotate_qkv_pairs_(qkv, cos, sin, num_heads)
 
     def layer_tables(
         self, state: tuple[torch.Tensor, torch.Tensor] | LayerAngles, layer: int

@@ -85,6 +85,12 @@ class StringBase(LinearRotary):
             qk = qk @ basis.to(qk.dtype).transpose(-1, -2)
         return super().apply(qk, rotary, layer)
 
+    def apply_qkv_(self, qkv: torch.Tensor, state, layer: int, num_heads: int) -> torch.Tensor | None:
+        rotary, basis = state
+        if basis is not None:  # P not folded into the projection (attention folds it when it can)
+            return None
+        return super().apply_qkv_(qkv, rotary, layer, num_heads)
+
     def projection_basis(self, state, layer: int) -> tuple[torch.Tensor, tuple] | None:
         rotary, basis = state
         if basis is None:  # folded for good (fold_string_)
