@@ -116,7 +116,7 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
         the norms that set their squaring counts (:func:`~visionpe.rotary.skew_exp.block_skew_expm_layers`).
 
         Subclasses that override :meth:`rotation_chunks` override this too. A chunk function may carry
-        ``rotate_qkv_(qkv, num_heads, num_prefix_tokens)``, which :meth:`apply_qkv_` then calls instead of
+        ``rotate_qkv_(qkv, num_heads, num_prefix_tokens, tokens)``, which :meth:`apply_qkv_` then calls instead of
         building the rotations: this one squares and rotates in one step that keeps only the series for the
         backward.
         """

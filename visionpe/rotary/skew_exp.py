@@ -22,6 +22,8 @@ batched gemm of 8 x 8 matrices.
 
 Rotations are applied per b x b block as one batched matrix product R @ X whose batch is (head, token, block) and
 whose columns are all images of the batch (q and k together): each small matrix is read once for 2 B vectors.
+In training attention the rotated vectors are written back into the q/k/v projection's output
+(:func:`rotate_qkv_blocks_`), whose backward needs only them (the rotations are orthogonal).
 """
 
 from __future__ import annotations
