@@ -69,7 +69,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         # fp32 fast path: one complex product per element, forward and backward (about 1.5x the real form on
         # CPU); pairs (2j, 2j+1) are the real and imaginary parts, the table is cos + i sin. Compiled graphs take
         # the real form: inductor fuses it, has no complex kernels, and the layout checks below would break the graph.
-        freqs_cis = torch.complex(cos[..., ::2].float(), sin[..., 1::2].float())
+        freqs_cis = _complex_table(cos, sin)
         pairs = x.unflatten(-1, (-1, 2))
         if pairs.stride(-1) != 1 or pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
             pairs = pairs.contiguous()
@@ -99,14 +99,9 @@ def rotate_qkv_pairs_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n
     Returns:
         ``qkv`` itself.
     """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
-    if qkv.dtype != torch.float32 or qkv.ndim < 2 or not qkv.is_contiguous() or qkv.shape[-1] % (6 * num_heads):
-        raise ValueError(
-            f"qkv must be a contiguous float32 (..., 3 * num_heads * head_dim) tensor with num_heads={num_heads} "
-            f"and an even head_dim, got shape {tuple(qkv.shape)}, dtype {qkv.dtype}, strides {qkv.stride()}"
-        )
-    head_dim = qkv.shape[-1] // (3 * num_heads)
+    if qkv.dtype != torch.float32:
+        raise ValueError(f"qkv must be float32 (the complex product), got {qkv.dtype}")
+    head_dim = check_fused_qkv(qkv, num_heads, pairs=True)
     if (
         cos.ndim != 3
         or cos.shape != sin.shape
@@ -118,13 +113,39 @@ def rotate_qkv_pairs_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n
             f"cos and sin must have shape (num_heads | 1, T, head_dim={head_dim}) with T dividing qkv's rows "
             f"{tuple(qkv.shape[:-1])}, got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
-    freqs = torch.complex(cos[..., ::2].float(), sin[..., 1::2].float())  # (num_heads | 1, T, head_dim / 2)
+    freqs = _complex_table(cos, sin)  # (num_heads | 1, T, head_dim / 2)
     return _QKVPairRotation.apply(qkv, freqs, num_heads)
+
+
+def _complex_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """cos + i sin per pair, fp32, from the interleaved tables of :func:`rotary_tables`."""
+    return torch.complex(cos[..., ::2].float(), sin[..., 1::2].float())
+
+
+def check_fused_qkv(qkv: torch.Tensor, num_heads: int, pairs: bool = False) -> int:
+    """head_dim of a contiguous floating-point fused projection output (..., 3 * num_heads * head_dim) (even
+    when ``pairs``); ValueError naming what does not fit otherwise."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    unit = 3 * num_heads * (2 if pairs else 1)
+    if qkv.ndim < 2 or qkv.shape[-1] % unit or not qkv.is_floating_point() or not qkv.is_contiguous():
+        raise ValueError(
+            f"qkv must be a contiguous floating-point (..., 3 * num_heads * head_dim) tensor with "
+            f"num_heads={num_heads}{' and an even head_dim' if pairs else ''}, got shape {tuple(qkv.shape)}, "
+            f"dtype {qkv.dtype}, strides {qkv.stride()}"
+        )
+    return qkv.shape[-1] // (3 * num_heads)
+
+
+def _fused_qk(qkv: torch.Tensor, num_heads: int, tokens: int) -> torch.Tensor:
+    """(B, tokens, 2, heads, head_dim) view of q and k in a contiguous fused projection output whose last dim is
+    (3, heads, head_dim) and whose other dims hold B images of ``tokens`` tokens each."""
+    return qkv.view(-1, tokens, 3, num_heads, qkv.shape[-1] // (3 * num_heads))[:, :, :2]
 
 
 def _qk_pairs(qkv: torch.Tensor, num_heads: int, tokens: int) -> torch.Tensor:
     """Complex (B, T, 2, heads, head_dim / 2) view of the q and k pairs of a contiguous fused projection output."""
-    return torch.view_as_complex(qkv.view(-1, tokens, 3, num_heads, qkv.shape[-1] // (6 * num_heads), 2)[:, :, :2])
+    return torch.view_as_complex(_fused_qk(qkv, num_heads, tokens).unflatten(-1, (-1, 2)))
 
 
 class _QKVPairRotation(torch.autograd.Function):

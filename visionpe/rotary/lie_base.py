@@ -122,7 +122,7 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
         """
         generators = self.layer_generators()
         build, last = block_skew_expm_layers(generators, coords, self.series_dtype), len(generators) - 1
-        rotate = getattr(build, "rotate_qkv_", None)  # not for 2 x 2 blocks (closed-form plane rotations)
+        rotate = getattr(build, "rotate_qkv_", None)  # tokens-last stacks only (not 2 x 2 blocks, not small stacks)
 
         def plan(layer: int) -> Callable[[int, int], torch.Tensor]:
             chunk = functools.partial(build, min(layer, last))

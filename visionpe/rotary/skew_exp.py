@@ -34,6 +34,8 @@ from collections.abc import Callable
 
 import torch
 
+from .functional import _fused_qk, check_fused_qkv
+
 __all__ = [
     "skew_from_params",
     "linear_skew_expm",
@@ -280,18 +282,16 @@ def block_skew_expm_layers(
     def rotate_qkv_(
         layer: int, qkv: torch.Tensor, num_heads: int, num_prefix_tokens: int = 0, tokens: int | None = None
     ) -> torch.Tensor:
-        """:func:`rotate_qkv_blocks_` of ``qkv`` by the rotations of all tokens of ``layer``. Tokens-last, the
-        squarings and the rotation are one step whose backward squares the series again, so that the rotations
-        are not kept from forward to backward either (in LieRE's ViT-S: 2.4 MB fewer per block)."""
-        if not token_last:
-            rot = series_chunk(layer, 0, len(coords))
-            return rotate_qkv_blocks_(qkv, rot, num_heads, num_prefix_tokens, tokens)
+        """:func:`rotate_qkv_blocks_` of ``qkv`` by the rotations of all tokens of ``layer``, the squarings and
+        the rotation in one step whose backward squares the series again, so that the rotations are not kept
+        from forward to backward either (in LieRE's ViT-S: 2.4 MB fewer per block)."""
         tokens = _check_qkv_rotation(qkv, (heads, len(coords), blocks, b, b), num_heads, num_prefix_tokens, tokens)
         with torch.autocast(device_type, enabled=False):
             rot, squarings = series(layer, 0, len(coords))
         return _SquaredQKVRotation.apply(qkv, rot, squarings, num_heads, num_prefix_tokens, tokens)
 
-    series_chunk.rotate_qkv_ = rotate_qkv_
+    if token_last:  # otherwise the rotations are built and applied (LieBlockRotary.apply_qkv_)
+        series_chunk.rotate_qkv_ = rotate_qkv_
     return series_chunk
 
 
@@ -548,9 +548,8 @@ def _rotate_into(dst: torch.Tensor, tokens: torch.Tensor, mats: torch.Tensor) ->
 
 
 def _qk_view(qkv: torch.Tensor, num_heads: int, tokens: int) -> torch.Tensor:
-    """(2, B, heads, tokens, head_dim) view of q and k in a contiguous fused projection output whose last dim is
-    (3, heads, head_dim) and whose other dims hold B images of ``tokens`` tokens each."""
-    return qkv.view(-1, tokens, 3, num_heads, qkv.shape[-1] // (3 * num_heads)).permute(2, 0, 3, 1, 4)[:2]
+    """(2, B, heads, tokens, head_dim) view of q and k in a contiguous fused projection output (:func:`_fused_qk`)."""
+    return _fused_qk(qkv, num_heads, tokens).permute(2, 0, 3, 1, 4)
 
 
 def rotate_qkv_blocks_(
@@ -584,20 +583,13 @@ def _check_qkv_rotation(
     qkv: torch.Tensor, rot_shape: tuple[int, ...], num_heads: int, num_prefix_tokens: int, tokens: int | None
 ) -> int:
     """Tokens per image; ValueError unless rotations of shape ``rot_shape`` fit the q and k of ``qkv``."""
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    head_dim = check_fused_qkv(qkv, num_heads)
     if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
         raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
-    if qkv.ndim < 2 or qkv.shape[-1] % (3 * num_heads) or not qkv.is_floating_point() or not qkv.is_contiguous():
-        raise ValueError(
-            f"qkv must be a contiguous floating-point (..., tokens, 3 * num_heads * head_dim) tensor with "
-            f"num_heads={num_heads}, got shape {tuple(qkv.shape)}, dtype {qkv.dtype}, strides {qkv.stride()}"
-        )
     if tokens is None:
         tokens = qkv.shape[-2]
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0 or qkv.numel() % (tokens * qkv.shape[-1]):
         raise ValueError(f"tokens must be a positive int that divides qkv's rows {qkv.shape[:-1]}, got {tokens!r}")
-    head_dim = qkv.shape[-1] // (3 * num_heads)
     if (
         len(rot_shape) != 5
         or rot_shape[2] * rot_shape[4] != head_dim
