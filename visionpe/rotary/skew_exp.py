@@ -316,11 +316,21 @@ def _token_last_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | Non
     return out
 
 
+def _token_major(stack: torch.Tensor) -> torch.Tensor:
+    """A tokens-last (H, M, b, b, n) stack as the contiguous (H, n, M, b, b) rotations the block product reads."""
+    return stack.permute(0, 4, 1, 2, 3).contiguous()
+
+
+def _tokens_last(rot: torch.Tensor) -> torch.Tensor:
+    """(H, n, M, b, b) rotations (or their gradient) as a contiguous tokens-last (H, M, b, b, n) stack."""
+    return rot.permute(0, 2, 3, 4, 1).contiguous()
+
+
 def _squared(rot: torch.Tensor, count: int) -> torch.Tensor:
     """S^(2^count) of a tokens-last (H, M, b, b, n) stack S, as the contiguous (H, n, M, b, b) rotations."""
     for _ in range(count):
         rot = _token_last_matmul(rot, rot)
-    return rot.permute(0, 4, 1, 2, 3).contiguous()
+    return _token_major(rot)
 
 
 def _square_chain(rot: torch.Tensor, count: int) -> list[torch.Tensor]:
@@ -358,7 +368,7 @@ class _TokenLastSquarings(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (rot,) = ctx.saved_tensors
         chain = _square_chain(rot, ctx.count - 1) if ctx.count else []
-        return _square_chain_backward(chain, grad.permute(0, 2, 3, 4, 1).contiguous()), None
+        return _square_chain_backward(chain, _tokens_last(grad)), None
 
 
 class _SquaredQKVRotation(torch.autograd.Function):
@@ -381,15 +391,13 @@ class _SquaredQKVRotation(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         qkv, rot = ctx.saved_tensors
         chain = _square_chain(rot, ctx.count)
-        full = chain.pop()  # (H, M, b, b, n)
-        mats = full.permute(0, 4, 1, 2, 3).contiguous()
+        mats = _token_major(chain.pop())  # R, (H, n, M, b, b)
         shape = mats.shape
         mats = mats.flatten(0, 2).to(qkv.dtype)
         grad_qkv, grad_mats = _rotate_qkv_backward(grad, qkv, mats, *ctx.layout, *ctx.needs_input_grad[:2])
         grad_rot = None
         if grad_mats is not None:
-            grad_full = grad_mats.to(rot.dtype).view(shape).permute(0, 2, 3, 4, 1).contiguous()
-            grad_rot = _square_chain_backward(chain, grad_full)
+            grad_rot = _square_chain_backward(chain, _tokens_last(grad_mats.to(rot.dtype).view(shape)))
         return grad_qkv, grad_rot, None, None, None, None
 
 
