@@ -1,4 +1,5 @@
 import pytest
+import timm
 import torch
 
 import visionpe
@@ -7,6 +8,7 @@ from visionpe.rotary.comrope_ap import ComRoPEAP
 from visionpe.rotary.comrope_ld import ComRoPELD
 from visionpe.rotary.lie_base import LieBlockRotary
 from visionpe.rotary.rope_axial import RopeAxial
+from visionpe.rotary.scaling import scale_frequencies
 
 from ..model_checks import check_forward_backward
 
@@ -57,10 +59,10 @@ def test_positions_prefix_and_pi():
     train = ComRoPEAP(128, 2, grid_size=(4, 4), pos_norm="train_grid")
     assert torch.allclose(train.coords((8, 4))[:, 0].max(), torch.tensor(7.5 / 4))
     train.set_extrapolation("pi")
-    state, prefix, _ = train.prepare(train.coords((8, 4)), num_prefix_tokens=1, grid_size=(8, 4))
+    state, prefix, *_ = train.prepare(train.coords((8, 4)), num_prefix_tokens=1, grid_size=(8, 4))
     assert prefix == 1 and torch.allclose(state, grid_coords((8, 4), mode="normalized"))  # PI = test-grid norm
     rotating = ComRoPELD(128, 2, grid_size=(4, 4), rotate_prefix=True)
-    state, prefix, _ = rotating.prepare(rotating.coords((4, 4)), num_prefix_tokens=1)
+    state, prefix, *_ = rotating.prepare(rotating.coords((4, 4)), num_prefix_tokens=1)
     assert prefix == 0 and torch.equal(state[0], torch.tensor([0.5, 0.5]))
     qk = torch.randn(2, 1, 2, 17, 64)
     out = scheme.apply(qk, scheme.prepare(scheme.coords((4, 4)), num_prefix_tokens=1), layer=0)
@@ -74,9 +76,10 @@ def test_bad_input():
         ComRoPELD(128, 2, pos_norm="train_grid")
     with pytest.raises(ValueError, match="would scale twice"):
         ComRoPEAP(128, 2, grid_size=(4, 4), extrapolation="pi")
+    for mode in ("ntk", "yarn"):  # positions normalised by the test grid: a second scaling is refused
+        with pytest.raises(ValueError, match=f"extrapolation='{mode}' with pos_norm='test_grid' would scale twice"):
+            ComRoPELD(128, 2, grid_size=(4, 4), extrapolation=mode)
     scheme = ComRoPELD(128, 2, grid_size=(4, 4), pos_norm="train_grid")
-    with pytest.raises(ValueError, match="supports extrapolation modes"):
-        scheme.set_extrapolation("yarn")
     with pytest.raises(ValueError, match="supports 2D grids"):
         scheme.coords((2, 3, 4))
     with pytest.raises(ValueError, match="2 axes, got coords with 3 axes"):
@@ -168,3 +171,90 @@ def test_ld_grid_rows_only_for_a_whole_row_major_grid():
     assert grid_rows(inverse.flip(0)) is None  # every combination, but not in row-major order
     assert grid_rows(inverse[1:]) is None  # a combination missing
     assert grid_rows(torch.cat((inverse[:1], inverse))) is None  # a token twice (a prefix at a grid value)
+
+
+def _ap_as_axial(train_grid):
+    """An axial RoPE and a ComRoPE-AP with 2 x 2 blocks that turn at the same rates per grid cell (AP positions are
+    (i + 0.5) / n0, so each block's rate is the axial rate times n0 of its axis), and the channel order that
+    matches AP block j to its axial pair."""
+    axial = RopeAxial(64, 1, base=100.0, grid_size=train_grid)
+    scheme = ComRoPEAP(64, 1, block_size=2, pos_norm="train_grid", grid_size=train_grid)
+    x_pairs, y_pairs = torch.arange(16), torch.arange(16, 32)
+    order = torch.stack((y_pairs, x_pairs), dim=1).flatten()  # block j (axis j mod 2: y, x) <- axial pair order[j]
+    cells = torch.tensor(train_grid, dtype=torch.float32)[torch.arange(32) % 2]
+    with torch.no_grad():
+        scheme.blocks.zero_()
+        scheme.blocks[0, 0, :, 1, 0] = axial.freqs.sum(0)[order] * cells
+    return axial, scheme, torch.stack((2 * order, 2 * order + 1), dim=1).flatten()
+
+
+@pytest.mark.parametrize("mode", ["none", "pi", "ntk", "yarn"])
+def test_ap_b2_equals_axial_rope_under_every_extrapolation(mode):
+    # the eigenfrequency rules of ComRoPE reduce to the frequency rules of RoPE when each block is one plane
+    axial, scheme, channels = _ap_as_axial((4, 6))
+    for s in (axial, scheme):
+        s.set_extrapolation(mode, alpha=0.05, beta=0.5)  # YaRN's ramp inside the bands of a 4 x 6 grid
+    grid = (8, 9)
+    qk = torch.randn(2, 1, 1, 72, 64)
+    expected = axial.apply(qk, axial.prepare(grid_coords(grid), 0, grid_size=grid), 0)
+    out = scheme.apply(qk[..., channels], scheme.prepare(scheme.coords(grid), 0, grid_size=grid), 0)
+    # AP's positions sit half a cell from RoPE's: both are exactly relative, so the logits agree
+    logits = expected[0] @ expected[1].transpose(-1, -2)
+    assert torch.allclose(out[0] @ out[1].transpose(-1, -2), logits, atol=1e-4)
+    if mode != "none":  # the test grid is larger than the training grid: something was rescaled
+        plain = axial.apply(qk, axial.prepare(grid_coords(grid), 0), 0)
+        assert not torch.allclose(plain[0] @ plain[1].transpose(-1, -2), logits, atol=1e-2)
+
+
+def test_scaled_blocks_carry_the_rescaled_eigenfrequencies():
+    scheme = ComRoPELD(64, 2, depth=2, block_size=8, grid_size=(4, 6), pos_norm="train_grid", extrapolation="ntk")
+    factors = (2.0, 1.5)
+    skew = scheme.layer_skew_blocks().detach().double()  # (L, h, m, b, b)
+    scaled = scheme.axis_skew_blocks(factors).detach()  # (L, ndim, h, m, b, b)
+    assert scaled.dtype == torch.float64 and torch.allclose(scaled, -scaled.transpose(-1, -2))
+    for axis in range(2):  # each axis' generators are functions of S: they commute with it (and with each other)
+        assert torch.allclose(scaled[:, axis] @ skew, skew @ scaled[:, axis], atol=1e-9)
+
+    def rates(blocks, coeff):  # sorted eigenfrequencies per grid cell of coeff_aj * blocks_j, (L, h, ndim, m * b)
+        freqs = torch.linalg.eigvals(blocks).imag.abs().sort(-1).values  # (L, [ndim,] h, m, b)
+        cells = torch.tensor([4.0, 6.0], dtype=torch.float64)
+        return (coeff[:, :, None, :, None].abs() * freqs / cells[:, None, None, None]).transpose(1, 2).flatten(-2)
+
+    theta = scheme.axis_coefficients().detach().double()  # (L, ndim, m)
+    before = rates(skew.unsqueeze(1).expand(-1, 2, -1, -1, -1, -1), theta)
+    expected = scale_frequencies(before, factors, "ntk")
+    after = rates(scaled, theta)
+    assert torch.allclose(after.sort(-1).values, expected.sort(-1).values, rtol=1e-6, atol=1e-9)
+    # NTK: per axis, layer and head the highest frequency is kept and the lowest divided by s_a
+    assert torch.allclose(after.amax(-1), before.amax(-1), rtol=1e-6)
+    assert torch.allclose(after.amin(-1), before.amin(-1) / torch.tensor(factors, dtype=torch.float64), rtol=1e-6)
+    # YaRN with every band below alpha interpolates every frequency: S'_a = S / s_a
+    scheme.set_extrapolation("yarn", alpha=1e3, beta=2e3)
+    pi = scheme.axis_skew_blocks(factors).detach()
+    assert torch.allclose(pi, skew.unsqueeze(1) / torch.tensor(factors, dtype=torch.float64)[:, None, None, None, None])
+
+
+@pytest.mark.parametrize("name", ["comrope_ap", "comrope_ld"])
+def test_model_ntk_and_yarn_switch_at_evaluation_and_train(name):
+    torch.manual_seed(0)
+    m = timm.create_model(
+        "visionpe_vit_tiny_patch16_224",
+        pos_embed=name,
+        depth=2,
+        img_size=64,
+        dynamic_img_size=True,
+        pos_embed_kwargs={"pos_norm": "train_grid"},
+    ).eval()
+    x = torch.randn(2, 3, 96, 112)
+    with torch.no_grad():
+        outs = {}
+        for mode in ("none", "ntk", "yarn"):
+            visionpe.set_extrapolation(m, mode, alpha=0.05, beta=0.5)
+            outs[mode] = m(x)
+    assert all(torch.isfinite(o).all() for o in outs.values())
+    assert not torch.allclose(outs["ntk"], outs["none"]) and not torch.allclose(outs["yarn"], outs["ntk"])
+    m.train()  # gradients flow through the rescaled generators
+    m(x).square().mean().backward()
+    scheme = m.pos_schemes[name]
+    grads = [p.grad for p in scheme.parameters()]
+    assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)

@@ -6,8 +6,12 @@ from pathlib import Path
 
 import lightning
 import pytest
+import timm
 
+import visionpe
+from visionpe.rotary.scaling import EXTRAPOLATION_MODES
 from visionpe.training.evaluate import markdown_table, summarize
+from visionpe.training.experiments import accepts_extrapolation
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(ROOT / "configs" / "demo" / "digits.yaml")
@@ -136,3 +140,23 @@ def test_rope_axial_model_equals_timm_eva_with_the_same_weights():
         for size in (32, 48, 72):
             images = torch.randn(3, 3, size, size)
             torch.testing.assert_close(eva(images), ours(images), rtol=1e-5, atol=1e-6)
+
+
+def test_sweep_evaluates_each_model_under_the_modes_it_accepts():
+    # one sweep lists every scheme and mode: a model is left out of a mode that one of its schemes refuses
+    def model(name, **kwargs):
+        return timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=name, depth=1, **kwargs)
+
+    accepted = {
+        "liere": ("none", "pi"),
+        "rope_axial": ("none", "pi", "ntk", "yarn"),
+        "learned": ("none",),
+    }
+    for name, modes in accepted.items():
+        assert [m for m in EXTRAPOLATION_MODES if accepts_extrapolation(model(name), m)] == list(modes)
+    assert not accepts_extrapolation(model(["rope_axial", "liere"]), "ntk")  # every rotary scheme must accept
+    for pos_norm, modes in (("test_grid", ["none"]), ("train_grid", list(EXTRAPOLATION_MODES))):
+        comrope = model("comrope_ld", pos_embed_kwargs={"pos_norm": pos_norm})
+        assert [m for m in EXTRAPOLATION_MODES if accepts_extrapolation(comrope, m)] == modes
+        for mode in modes:  # accepted means set_extrapolation succeeds
+            visionpe.set_extrapolation(comrope, mode)

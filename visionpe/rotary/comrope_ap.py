@@ -12,10 +12,18 @@ Cost: block j of a token turns by exp(x_a S_j) with one fixed skew S_j = P_j - P
 once per distinct value of each coordinate (a grid has H distinct y and W distinct x) and every token gathers
 its blocks from that small table (:meth:`ComRoPEAP.rotation_plan`, the word tables of all layers set up at once);
 gradients flow through the exponentials exactly.
+
+Extrapolation (``pos_norm='train_grid'``): PI divides the positions; NTK and YaRN rescale frequencies, which here
+are the eigenfrequencies of each block [visionpe]. A skew S_j = Q diag(omega_k J) Q^T (J the 2 x 2 quarter turn)
+turns by omega_k x per unit of its coordinate in plane k, so the generator of axis a becomes
+S'_aj = Q diag(f_a(omega_k) J) Q^T = S_j phi_a(S_j^2), with f_a the rule of :func:`~visionpe.rotary.scaling.
+scale_frequencies` on axis a (:meth:`ComRoPEBase.axis_skew_blocks`). Every S'_aj is a function of S_j, so the
+generators still commute and the relative property stays exact.
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 
 import torch
@@ -24,6 +32,7 @@ from torch import nn
 from ..grid import grid_coords
 from ..registry import register_scheme
 from .lie_base import LieBlockRotary
+from .scaling import EXTRAPOLATION_MODES, scale_frequencies
 from .skew_exp import block_skew_expm_layers
 
 __all__ = ["ComRoPEBase", "ComRoPEAP"]
@@ -46,6 +55,7 @@ class ComRoPEBase(LieBlockRotary):
     """Common ComRoPE options; subclasses build the commuting generators."""
 
     _scales_own_coords = True
+    supported_extrapolation = EXTRAPOLATION_MODES  # the blocks' eigenfrequencies (axis_skew_blocks)
     # exact relative property to 1e-5: each squaring doubles the error before it, so exponentials run in fp64
     # (cheap here: one per distinct coordinate value)
     series_dtype = torch.float64
@@ -76,12 +86,15 @@ class ComRoPEBase(LieBlockRotary):
         self.blocks = nn.Parameter(torch.randn(depth, num_heads, self.num_blocks, block_size, block_size) * init_std)
 
     def set_extrapolation(self, mode: str, **kwargs) -> None:
-        if mode == "pi" and self.pos_norm == "test_grid":
+        if mode != "none" and self.pos_norm == "test_grid":
             raise ValueError(
-                "extrapolation='pi' with pos_norm='test_grid' would scale twice: positions normalised by the test "
-                "grid already interpolate; use pos_norm='train_grid'"
+                f"extrapolation={mode!r} with pos_norm='test_grid' would scale twice: positions normalised by the "
+                "test grid already interpolate; use pos_norm='train_grid'"
             )
         super().set_extrapolation(mode, **kwargs)
+
+    def accepted_extrapolation(self) -> tuple[str, ...]:
+        return ("none",) if self.pos_norm == "test_grid" else super().accepted_extrapolation()
 
     def coords(self, grid_size: tuple[int, ...], device=None) -> torch.Tensor:
         grid_size = self.check_grid(grid_size)
@@ -110,6 +123,38 @@ class ComRoPEBase(LieBlockRotary):
         """(L, num_heads, m, b, b) skew blocks of every layer."""
         return self.blocks - self.blocks.transpose(-1, -2)
 
+    @abstractmethod
+    def axis_coefficients(self) -> torch.Tensor:
+        """(L | 1, ndim, m): along axis a, block j's exponent is ``coefficient[a, j] * x_a`` times its skew block."""
+
+    def axis_skew_blocks(self, factors: Sequence[float]) -> torch.Tensor:
+        """(L, ndim, num_heads, m, b, b) float64: per axis a, every skew block S with each eigenfrequency rescaled
+        by the NTK or YaRN rule of the current mode for the per-axis ``factors``.
+
+        The frequency of plane k of block j along axis a, per grid cell, is |c_aj| omega_k / n0_a (positions are
+        (i + 0.5) / n0_a), which is what :func:`~visionpe.rotary.scaling.scale_frequencies` rescales (NTK's band
+        index per axis, layer and head; YaRN's turns over the training grid). The eigenbasis comes from
+        ``eigh(S^2)`` (S^2 = -S^T S has eigenvalues -omega_k^2), in fp64 and without gradient: as the frequency
+        rules do for learned frequencies, the factor phi_a(S^2) is a constant of the backward, and gradients flow
+        through S.
+        """
+        skew = self.layer_skew_blocks()
+        with torch.no_grad():
+            square = skew.detach().double()
+            eigvals, basis = torch.linalg.eigh(square @ square)  # (L, h, m, b), columns of basis
+            omega = (-eigvals).clamp_min(0).sqrt()  # each plane's frequency twice (and 0 for a fixed direction)
+            cells = torch.tensor(self.train_grid_size, dtype=torch.float64, device=skew.device)
+            coeff = self.axis_coefficients().detach().double() / cells[:, None]  # (L | 1, ndim, m)
+            freqs = coeff[:, None, :, :, None] * omega[:, :, None]  # (L, h, ndim, m, b)
+            scaled = scale_frequencies(
+                freqs.flatten(-2), factors, self.extrapolation, self.train_grid_size, self.yarn_alpha, self.yarn_beta
+            ).view_as(freqs)
+            ratio = torch.where(freqs != 0, scaled / torch.where(freqs != 0, freqs, 1.0), 1.0)
+            # phi_a(S^2) = U diag(ratio) U^T, per axis
+            phi = (basis.unsqueeze(2) * ratio.unsqueeze(-2)) @ basis.unsqueeze(2).transpose(-1, -2)
+        out = skew.double().unsqueeze(2) @ phi  # (L, h, ndim, m, b, b)
+        return ((out - out.transpose(-1, -2)) / 2).transpose(1, 2)  # skew to rounding; (L, ndim, h, m, b, b)
+
 
 @register_scheme("comrope_ap")
 class ComRoPEAP(ComRoPEBase):
@@ -123,7 +168,8 @@ class ComRoPEAP(ComRoPEBase):
         pos_norm: ``test_grid`` ((i + 0.5) / n) or ``train_grid`` ((i + 0.5) / n_train, extrapolates).
         rotate_prefix: rotate prefix tokens at the grid centre as the reference does (default: identity).
         grid_size: training grid (the model passes it).
-        extrapolation: ``none`` or ``pi`` (with ``pos_norm='train_grid'``).
+        extrapolation: ``none``, or with ``pos_norm='train_grid'``: ``pi``, ``ntk`` or ``yarn`` (the eigenfrequencies
+            of each block rescaled per axis).
     """
 
     def __init__(
@@ -149,16 +195,23 @@ class ComRoPEAP(ComRoPEBase):
         # (h, m, 1, b, b) * (m, ndim, 1, 1): block j only on axis j mod ndim
         return self.skew_blocks(layer).unsqueeze(2) * self.axis_mask[:, :, None, None]
 
-    def rotation_plan(self, coords: torch.Tensor) -> Callable[[int], Callable[[int, int], torch.Tensor]]:
-        skew = self.layer_skew_blocks()  # (L, h, m, b, b)
-        heads, blocks, b = skew.shape[1], self.num_blocks, self.block_size
+    def axis_coefficients(self) -> torch.Tensor:
+        return self.axis_mask.T.unsqueeze(0)
+
+    def rotation_plan(
+        self, coords: torch.Tensor, factors: Sequence[float] | None = None
+    ) -> Callable[[int], Callable[[int, int], torch.Tensor]]:
+        # (L, h, m, b, b) skew blocks, or per axis (NTK / YaRN: each axis' frequencies rescaled)
+        skew = self.layer_skew_blocks() if factors is None else self.axis_skew_blocks(factors)
+        heads, blocks, b = self.num_heads, self.num_blocks, self.block_size
         builders, offsets, index = [], 0, torch.empty(len(coords), blocks, dtype=torch.long, device=coords.device)
         for axis in range(self.ndim):
             # blocks axis, axis + ndim, ... turn with this coordinate only: exp(v S_j) for its distinct values v,
             # the word tables of all layers set up at once
             values, inverse = distinct_values(coords[:, axis])
             own = torch.arange(axis, blocks, self.ndim, device=coords.device)
-            build = block_skew_expm_layers(skew[:, :, own, None], values[:, None], self.series_dtype)
+            gen = skew if factors is None else skew[:, axis]
+            build = block_skew_expm_layers(gen[:, :, own, None], values[:, None], self.series_dtype)
             builders.append((build, len(values)))
             # token n, block own[k] reads row inverse[n] * m_a + k of this axis' table
             index[:, own] = offsets + inverse[:, None] * len(own) + torch.arange(len(own), device=coords.device)

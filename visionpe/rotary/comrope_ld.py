@@ -39,7 +39,8 @@ class ComRoPELD(ComRoPEBase):
         block_size: b, 8 by default.
         ndim: 2 (y, x) or 3 (t, y, x).
         init_std: P ~ N(0, init_std^2); theta ~ N(0, 1).
-        pos_norm, rotate_prefix, grid_size, extrapolation: as :class:`~visionpe.rotary.comrope_ap.ComRoPEAP`.
+        pos_norm, rotate_prefix, grid_size, extrapolation: as :class:`~visionpe.rotary.comrope_ap.ComRoPEAP`
+            (NTK / YaRN rescale the eigenfrequencies of theta_aj S_j per axis).
     """
 
     def __init__(
@@ -64,15 +65,21 @@ class ComRoPELD(ComRoPEBase):
         theta = self.multipliers[layer if self.multipliers.shape[0] > 1 else 0]  # (m, ndim)
         return self.skew_blocks(layer).unsqueeze(2) * theta[None, :, :, None, None]
 
-    def rotation_plan(self, coords: torch.Tensor) -> Callable[[int], Callable[[int, int], torch.Tensor]]:
-        skew = self.layer_skew_blocks()  # (L, h, m, b, b)
+    def axis_coefficients(self) -> torch.Tensor:
+        return self.multipliers.transpose(1, 2)
+
+    def rotation_plan(
+        self, coords: torch.Tensor, factors: Sequence[float] | None = None
+    ) -> Callable[[int], Callable[[int, int], torch.Tensor]]:
+        # (L, 1, h, m, b, b) skew blocks, or (L, ndim, h, m, b, b) per axis (NTK / YaRN)
+        skew = self.layer_skew_blocks().unsqueeze(1) if factors is None else self.axis_skew_blocks(factors)
         # exp(v theta_aj S_j) for every axis a and distinct coordinate value v (of any axis), in one series per
         # layer (word tables of all layers at once): the axes stack on the head dimension, (L, ndim h, m, 1, b, b)
         # generators theta_aj S_j
         values, inverse = distinct_values(coords)  # inverse: (N, ndim)
         grid = grid_rows(inverse)  # per-axis table rows when the tokens are a whole row-major grid, else None
         theta = self.multipliers.transpose(1, 2)[:, :, None, :, None, None]  # (L, ndim, 1, m, 1, 1)
-        gen = (skew.unsqueeze(1) * theta).flatten(1, 2).unsqueeze(3)
+        gen = (skew * theta).flatten(1, 2).unsqueeze(3)
         build = block_skew_expm_layers(gen, values[:, None], self.series_dtype)
         last, inverses = len(gen) - 1, inverse.unbind(1)
 

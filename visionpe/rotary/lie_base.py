@@ -10,7 +10,10 @@ fp32 squarings break), and rotates q and k per block with one batched product
 with its cheaper commuting form (one exponential per distinct coordinate). Without autograd (inference), ``apply``
 builds and applies the rotations a chunk of tokens at a time, so a layer's (h, N, m, b, b) stack and its fp64
 series never exist whole.
-Only PI (coordinate scaling) applies: the rotations have no frequency list that NTK or YaRN could rescale.
+Extrapolation: PI divides the coordinates. NTK and YaRN rescale frequencies, which LieRE's rotations do not have
+(its generators do not commute, so no basis turns every token's exponent into a set of planar rotations): LieRE
+takes PI only. ComRoPE's generators commute, and its subclasses rescale the eigenfrequencies of each block
+(:meth:`rotation_plan` receives the per-axis factors); YaRN's multiplier scales the rotated q and k (:class:`LieState`).
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from __future__ import annotations
 import functools
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
 from ..base import RotaryPositionEncoding
-from .scaling import Extrapolation
+from .scaling import Extrapolation, yarn_attention_factor
 from .skew_exp import (
     apply_block_rotation,
     block_skew_expm,
@@ -31,9 +35,18 @@ from .skew_exp import (
     rotate_qkv_blocks_,
 )
 
-__all__ = ["LieBlockRotary"]
+__all__ = ["LieBlockRotary", "LieState"]
 
 _CHUNK_TOKENS = 512  # tokens rotated at a time without autograd: bounds the (h, n, m, b, b) rotations in memory
+
+
+class LieState(NamedTuple):
+    """What :meth:`LieBlockRotary.prepare` sets up for one forward."""
+
+    coords: torch.Tensor  #: (N, ndim) positions of the rotated tokens (PI already applied)
+    num_prefix_tokens: int  #: leading tokens left unrotated
+    plan: Callable[[int], Callable[[int, int], torch.Tensor]]  #: :meth:`LieBlockRotary.rotation_plan`
+    mscale: float = 1.0  #: YaRN's multiplier of the rotated q and k (every token, the prefix too, as RoPE's tables)
 
 
 class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
@@ -88,16 +101,20 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
 
     def prepare(
         self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None
-    ) -> tuple[torch.Tensor, int, Callable[[int], Callable[[int, int], torch.Tensor]]]:
-        """(coordinates, prefix tokens left unrotated, :meth:`rotation_plan` of the coordinates)."""
+    ) -> LieState:
+        """(coordinates, prefix tokens left unrotated, :meth:`rotation_plan` of the coordinates, YaRN multiplier)."""
         coords = coords.float()
         factors = self.scale_factors(grid_size)
-        if factors is not None:  # PI: p_a -> p_a / s_a
-            coords = coords / torch.tensor(factors, device=coords.device)
+        if factors is not None and self.extrapolation == "pi":  # p_a -> p_a / s_a
+            coords, factors = coords / torch.tensor(factors, device=coords.device), None
         prefix = self.prefix_coords(num_prefix_tokens, coords) if num_prefix_tokens else None
         if prefix is not None:
             coords, num_prefix_tokens = torch.cat((prefix, coords)), 0
-        return coords, num_prefix_tokens, self.rotation_plan(coords)
+        if factors is None:
+            return LieState(coords, num_prefix_tokens, self.rotation_plan(coords))
+        # NTK / YaRN: the generators' frequencies are rescaled (schemes whose generators have them)
+        mscale = yarn_attention_factor(factors) if self.extrapolation == "yarn" else 1.0
+        return LieState(coords, num_prefix_tokens, self.rotation_plan(coords, factors), mscale)
 
     def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
         """(num_heads | 1, N, num_blocks, b, b) fp32 rotations of block ``layer`` at ``coords`` (N, ndim)."""
@@ -110,16 +127,21 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
         """
         return block_skew_expm_chunks(self.generators(layer), coords, self.series_dtype)
 
-    def rotation_plan(self, coords: torch.Tensor) -> Callable[[int], Callable[[int, int], torch.Tensor]]:
+    def rotation_plan(
+        self, coords: torch.Tensor, factors: Sequence[float] | None = None
+    ) -> Callable[[int], Callable[[int, int], torch.Tensor]]:
         """``plan(layer)`` is :meth:`rotation_chunks` ``(coords, layer)``; built once per forward (in
         :meth:`prepare`), it sets up what every layer needs at once: the word tables of all layers' series and
         the norms that set their squaring counts (:func:`~visionpe.rotary.skew_exp.block_skew_expm_layers`).
+        ``factors``: per-axis NTK / YaRN factors, for schemes that support those modes (not LieRE).
 
         Subclasses that override :meth:`rotation_chunks` override this too. A chunk function may carry
         ``rotate_qkv_(qkv, num_heads, num_prefix_tokens, tokens)``, which :meth:`apply_qkv_` then calls instead of
         building the rotations: this one squares and rotates in one step that keeps only the series for the
         backward.
         """
+        if factors is not None:
+            raise ValueError(f"{type(self).__name__} has no frequencies to rescale: extrapolation 'pi' only")
         generators = self.layer_generators()
         build, last = block_skew_expm_layers(generators, coords, self.series_dtype), len(generators) - 1
         rotate = getattr(build, "rotate_qkv_", None)  # tokens-last stacks only (not 2 x 2 blocks, not small stacks)
@@ -132,8 +154,12 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
 
         return plan
 
-    def apply(self, qk: torch.Tensor, state: tuple, layer: int) -> torch.Tensor:
-        coords, num_prefix_tokens, plan = state
+    def apply(self, qk: torch.Tensor, state: LieState, layer: int) -> torch.Tensor:
+        out = self._rotate_blocks(qk, state, layer)
+        return out if state.mscale == 1.0 else out * state.mscale
+
+    def _rotate_blocks(self, qk: torch.Tensor, state: LieState, layer: int) -> torch.Tensor:
+        coords, num_prefix_tokens, plan, _ = state
         chunk = plan(layer)
         if torch.is_grad_enabled():
             return apply_block_rotation(qk, chunk(0, len(coords)), num_prefix_tokens)
@@ -152,13 +178,13 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
             out[..., rows, :] = apply_block_rotation(qk[..., rows, :], chunk(start, stop))
         return out
 
-    def apply_qkv_(self, qkv: torch.Tensor, state: tuple, layer: int, num_heads: int) -> torch.Tensor | None:
+    def apply_qkv_(self, qkv: torch.Tensor, state: LieState, layer: int, num_heads: int) -> torch.Tensor | None:
         """With autograd in eager mode: q and k rotated in place in the fused projection output
         (:func:`~visionpe.rotary.skew_exp.rotate_qkv_blocks_`), whose backward needs only the rotated vectors.
         Otherwise None: without autograd :meth:`apply` rotates a chunk of tokens at a time, and a compiled or
-        traced graph takes the out-of-place :meth:`apply`."""
-        coords, num_prefix_tokens, plan = state
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        traced graph, or YaRN's multiplier, takes the out-of-place :meth:`apply`."""
+        coords, num_prefix_tokens, plan, mscale = state
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing() or mscale != 1.0:
             return None
         chunk, tokens = plan(layer), num_prefix_tokens + len(coords)
         rotate = getattr(chunk, "rotate_qkv_", None)  # a plan that rotates without keeping the rotations

@@ -76,7 +76,7 @@ def scale_frequencies(
         alpha, beta: YaRN ramp bounds on r = L_a * theta / (2 pi).
 
     Returns:
-        (..., ndim, P) float32 tensor.
+        (..., ndim, P) float32 tensor (float64 when ``freqs`` is float64).
 
     Example:
         >>> f = torch.tensor([[1.0, 0.1]])
@@ -96,7 +96,7 @@ def scale_frequencies(
             raise ValueError(f"yarn needs train_grid_size with {freqs.shape[-2]} entries, got {train_grid_size}")
         if not beta > alpha:
             raise ValueError(f"yarn needs beta > alpha, got alpha={alpha}, beta={beta}")
-    freqs = freqs.float()
+    freqs = freqs if freqs.dtype == torch.float64 else freqs.float()
     if mode == "none" or all(s <= 1 for s in factors):
         return freqs
     rows = []
@@ -189,6 +189,12 @@ class Extrapolation(nn.Module):
                     f"coord_mode={self.coord_mode!r}, which already interpolates"
                 )
         self.extrapolation, self.yarn_alpha, self.yarn_beta = mode, alpha, beta
+
+    def accepted_extrapolation(self) -> tuple[str, ...]:
+        """The modes :meth:`set_extrapolation` accepts in this configuration (a subset of the supported ones)."""
+        if getattr(self, "coord_mode", "index") != "index" and not getattr(self, "_scales_own_coords", False):
+            return ("none",)
+        return self.supported_extrapolation
 
     def scale_factors(self, grid_size: Sequence[int] | None) -> tuple[float, ...] | None:
         """Per-axis factors for the current grid, or None when nothing is scaled."""

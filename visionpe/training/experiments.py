@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from ..rotary.scaling import set_extrapolation
+from ..rotary.scaling import Extrapolation, set_extrapolation
 from .cli import run_cli
 from .evaluate import sweep, write_report
 from .module import Classifier
 
-__all__ = ["REFERENCE_MODELS", "reference_args", "train_from_config", "run_sweep"]
+__all__ = ["REFERENCE_MODELS", "reference_args", "train_from_config", "run_sweep", "accepts_extrapolation"]
 
 # timm's own models, trained the same way as the visionpe ones: the reference rows of a sweep, as (row label, timm
 # model name, extra config overrides). timm's Eva scales its classifier head by 1e-3 and each block's output
@@ -73,6 +73,16 @@ def _data_takes_seed(config: str | Path, overrides: Sequence[str]) -> bool:
 def _has_rotary(model: Classifier) -> bool:
     schemes = getattr(model.model, "pos_schemes", {})
     return any(getattr(s, "kind", None) == "rotary" for s in schemes.values())
+
+
+def accepts_extrapolation(model: torch.nn.Module, mode: str) -> bool:
+    """Whether the sweep evaluates ``model`` under extrapolation ``mode``: always for ``none``; otherwise when it
+    has rotary schemes and every one of them accepts the mode (LieRE has no frequencies for NTK or YaRN, and
+    ComRoPE's test-grid positions already interpolate), so that one sweep can list every scheme and mode."""
+    if mode == "none":
+        return True
+    schemes = [m for m in model.modules() if isinstance(m, Extrapolation)]
+    return bool(schemes) and all(mode in s.accepted_extrapolation() for s in schemes)
 
 
 def run_sweep(
@@ -133,7 +143,7 @@ def run_sweep(
             selected = {
                 (label if mode == "none" else f"{label} [{mode}]"): model
                 for label, model in models.items()
-                if mode == "none" or _has_rotary(model)
+                if accepts_extrapolation(model.model, mode)
             }
             for model in selected.values():
                 if _has_rotary(model):
