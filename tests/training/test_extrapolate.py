@@ -89,6 +89,8 @@ def test_bad_arguments(tmp_path):
         script.main(["--config", str(tmp_path / "missing.yaml"), "--schemes", "rope_axial"])
     with pytest.raises(ValueError, match="extrapolation modes"):
         script.main(["--config", DIGITS, "--schemes", "rope_axial", "--extrapolation", "bogus"])
+    with pytest.raises(ValueError, match="would replace the position encoding of every run"):
+        script.main(["--config", DIGITS, "--schemes", "rope_axial", "liere", "--override", "model.pos_embed=liere"])
 
 
 def test_reference_models_are_built_like_visionpe_models():
@@ -160,3 +162,19 @@ def test_sweep_evaluates_each_model_under_the_modes_it_accepts():
         assert [m for m in EXTRAPOLATION_MODES if accepts_extrapolation(comrope, m)] == modes
         for mode in modes:  # accepted means set_extrapolation succeeds
             visionpe.set_extrapolation(comrope, mode)
+
+
+def test_scheme_options_in_overrides_reach_the_sweep(monkeypatch):
+    # options of the swept scheme given as an override (here ComRoPE's train-grid positions, which `learned`,
+    # the config's own pos_embed, does not take) must not break the set-up before training
+    from visionpe.training import experiments
+
+    def reached(config, args, *rest):
+        assert "--model.pos_embed=comrope_ld" in args and args[-1].startswith("--model.pos_embed_kwargs")
+        raise RuntimeError("reached training")
+
+    monkeypatch.setattr(experiments, "train_from_config", reached)
+    with pytest.raises(RuntimeError, match="reached training"):
+        experiments.run_sweep(
+            DIGITS, schemes=["comrope_ld"], overrides=['--model.pos_embed_kwargs={"pos_norm": "train_grid"}']
+        )

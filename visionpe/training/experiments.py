@@ -113,6 +113,12 @@ def run_sweep(
     bad_modes = [m for m in extrapolation if m not in EXTRAPOLATION_MODES]
     if bad_modes:
         raise ValueError(f"extrapolation modes must be in {EXTRAPOLATION_MODES}, got {bad_modes}")
+    replaced = [o for o in overrides if o.lstrip("-").split("=")[0] in ("model.pos_embed", "model.init_args.pos_embed")]
+    if replaced and (schemes or references):
+        raise ValueError(
+            f"overrides {replaced} would replace the position encoding of every run (overrides come last); "
+            "name the schemes with schemes=... instead"
+        )
     out_dir = Path(out_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     common = list(overrides) + ([f"--trainer.max_epochs={max_epochs}"] if max_epochs is not None else [])
@@ -120,7 +126,8 @@ def run_sweep(
     runs += [(REFERENCE_MODELS[r][0], reference_args(r)) for r in references]
 
     rows, datamodule = [], None
-    data_seed = runs and _data_takes_seed(config, common)
+    # built with the first run's arguments: the common overrides may hold options of its scheme (pos_embed_kwargs)
+    data_seed = runs and _data_takes_seed(config, [*runs[0][1], *common])
     for seed in seeds:
         models: dict[str, Classifier] = {}
         for label, run_args in runs:
