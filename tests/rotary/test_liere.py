@@ -7,6 +7,7 @@ import visionpe
 from visionpe.grid import grid_coords
 from visionpe.rotary import skew_exp
 from visionpe.rotary.liere import LieRE
+from visionpe.rotary.scaling import scale_frequencies, yarn_attention_factor
 from visionpe.rotary.skew_exp import (
     apply_block_rotation,
     block_skew_expm,
@@ -111,9 +112,39 @@ def test_pi_scales_positions_and_other_modes_are_rejected():
     coords = grid_coords((14, 21))
     state = scheme.prepare(coords, grid_size=(14, 21))[0]
     assert torch.allclose(state, coords / torch.tensor([2.0, 3.0]))
-    for mode in ("ntk", "yarn"):
+    for mode in ("ntk", "yarn"):  # b = 8: the generators do not commute, there are no frequencies
         with pytest.raises(ValueError, match="supports extrapolation modes"):
             scheme.set_extrapolation(mode)
+    with pytest.raises(ValueError, match="8 x 8 blocks has no frequencies to rescale"):
+        scheme.scaled_generators(scheme.layer_generators(), (2.0, 3.0))
+
+
+@pytest.mark.parametrize("mode", ["pi", "ntk", "yarn"])
+def test_b2_scales_like_rope_mixed(mode):
+    # 2 x 2 blocks are RoPE-Mixed with learned rates: NTK and YaRN rescale them as RoPE-Mixed's frequencies
+    scheme = LieRE(64, 1, depth=2, block_size=2, init_scale=1.0, grid_size=(3, 4), extrapolation=mode)
+    scheme.set_extrapolation(mode, alpha=0.1, beta=1.0)  # YaRN's ramp inside these rates on a 3 x 4 grid
+    grid, factors = (6, 10), (2.0, 2.5)
+    coords = grid_coords(grid)
+    x = torch.randn(1, 1, 60, 64)
+    rates = scheme.generators(1)[0][:, :, 1, 0].T  # (ndim, 32)
+    if mode == "pi":
+        angle, mscale = (coords / torch.tensor(factors)) @ rates, 1.0
+    else:
+        angle = coords @ scale_frequencies(rates.detach(), factors, mode, (3, 4), 0.1, 1.0)
+        mscale = yarn_attention_factor(factors) if mode == "yarn" else 1.0
+    pairs = x.view(1, 1, 60, 32, 2)
+    expected = torch.stack(
+        (
+            pairs[..., 0] * angle.cos() - pairs[..., 1] * angle.sin(),
+            pairs[..., 0] * angle.sin() + pairs[..., 1] * angle.cos(),
+        ),
+        dim=-1,
+    ).flatten(-2)
+    out = scheme.apply(x, scheme.prepare(coords, grid_size=grid), layer=1)
+    assert torch.allclose(out, expected * mscale, atol=1e-5)
+    if mode != "pi":  # the rule is not PI's
+        assert not torch.allclose(angle, (coords / torch.tensor(factors)) @ rates, atol=1e-3)
 
 
 def test_bad_input():

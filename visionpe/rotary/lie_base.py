@@ -10,9 +10,10 @@ fp32 squarings break), and rotates q and k per block with one batched product
 with its cheaper commuting form (one exponential per distinct coordinate). Without autograd (inference), ``apply``
 builds and applies the rotations a chunk of tokens at a time, so a layer's (h, N, m, b, b) stack and its fp64
 series never exist whole.
-Extrapolation: PI divides the coordinates. NTK and YaRN rescale frequencies, which LieRE's rotations do not have
-(its generators do not commute, so no basis turns every token's exponent into a set of planar rotations): LieRE
-takes PI only. ComRoPE's generators commute, and its subclasses rescale the eigenfrequencies of each block
+Extrapolation: PI divides the coordinates. NTK and YaRN rescale frequencies, which LieRE's rotations have only
+with 2 x 2 blocks (RoPE-Mixed with learned rates, :meth:`LieBlockRotary.scaled_generators`); for b >= 3 its
+generators do not commute, so no basis turns every token's exponent into a set of planar rotations, and LieRE takes
+PI only. ComRoPE's generators commute, and its subclasses rescale the eigenfrequencies of each block
 (:meth:`rotation_plan` receives the per-axis factors); YaRN's multiplier scales the rotated q and k (:class:`LieState`).
 """
 
@@ -26,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from ..base import RotaryPositionEncoding
-from .scaling import Extrapolation, yarn_attention_factor
+from .scaling import EXTRAPOLATION_MODES, Extrapolation, scale_frequencies, yarn_attention_factor
 from .skew_exp import (
     apply_block_rotation,
     block_skew_expm,
@@ -52,7 +53,11 @@ class LieState(NamedTuple):
 class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
     """Base class: subclasses implement :meth:`generators` -> (num_heads | 1, head_dim // b, ndim, b, b)."""
 
-    supported_extrapolation = ("none", "pi")
+    @property
+    def supported_extrapolation(self) -> tuple[str, ...]:
+        """PI always; NTK and YaRN with 2 x 2 blocks, whose rates are frequencies (:meth:`scaled_generators`)."""
+        return EXTRAPOLATION_MODES if self.block_size == 2 else ("none", "pi")
+
     #: working precision of the default per-token exponential (:meth:`rotations`); the result is fp32 either way
     series_dtype: torch.dtype = torch.float32
 
@@ -140,9 +145,9 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
         building the rotations: this one squares and rotates in one step that keeps only the series for the
         backward.
         """
-        if factors is not None:
-            raise ValueError(f"{type(self).__name__} has no frequencies to rescale: extrapolation 'pi' only")
         generators = self.layer_generators()
+        if factors is not None:
+            generators = self.scaled_generators(generators, factors)
         build, last = block_skew_expm_layers(generators, coords, self.series_dtype), len(generators) - 1
         rotate = getattr(build, "rotate_qkv_", None)  # tokens-last stacks only (not 2 x 2 blocks, not small stacks)
 
@@ -153,6 +158,27 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
             return chunk
 
         return plan
+
+    def scaled_generators(self, generators: torch.Tensor, factors: Sequence[float]) -> torch.Tensor:
+        """``generators`` (..., m, ndim, 2, 2) with every rate rescaled by the NTK or YaRN rule of the current mode.
+
+        A 2 x 2 skew block is a rate times the quarter turn, so its exponent sum_a p_a A_a turns the pair by
+        sum_a p_a A_a[1, 0]: RoPE-Mixed with learned frequencies, rescaled per axis by
+        :func:`~visionpe.rotary.scaling.scale_frequencies` (NTK's band index per axis over the head's pairs, as
+        for RoPE-Mixed). The factor is a constant of the backward, as it is for RoPE-Mixed's learned frequencies.
+        """
+        if generators.shape[-1] != 2:
+            raise ValueError(
+                f"{type(self).__name__} with {generators.shape[-1]} x {generators.shape[-1]} blocks has no "
+                "frequencies to rescale (its generators do not commute): extrapolation 'pi' only"
+            )
+        rates = generators[..., 1, 0].transpose(-1, -2)  # (..., ndim, m)
+        with torch.no_grad():
+            scaled = scale_frequencies(
+                rates.detach(), factors, self.extrapolation, self.train_grid_size, self.yarn_alpha, self.yarn_beta
+            )
+            ratio = torch.where(rates != 0, scaled / torch.where(rates != 0, rates, 1.0), 1.0)
+        return generators * ratio.transpose(-1, -2)[..., None, None]
 
     def apply(self, qk: torch.Tensor, state: LieState, layer: int) -> torch.Tensor:
         out = self._rotate_blocks(qk, state, layer)

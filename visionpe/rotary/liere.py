@@ -34,7 +34,8 @@ class LieRE(LieBlockRotary):
         init_scale: raw ~ U[0, 1) * init_scale; None: 2 pi / (n0 - 1), n0 the largest training grid side
             (2 pi / 13 when the grid is unknown).
         grid_size: training grid (the model passes it).
-        extrapolation: ``none`` or ``pi`` (positions divided by test / train grid per axis).
+        extrapolation: ``none`` or ``pi`` (positions divided by test / train grid per axis); with ``block_size=2``
+            (RoPE-Mixed with learned rates) also ``ntk`` and ``yarn``.
 
     Parameters: depth * num_heads * ndim * (head_dim / b) * b (b - 1) / 2.
     """
