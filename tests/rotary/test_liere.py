@@ -86,16 +86,16 @@ def test_b2_recovers_rope_mixed_rotation():
     x = torch.randn(1, 1, 15, 64)
     gen = scheme.generators(0)[0]  # (blocks, ndim, 2, 2); angle rate of block j on axis a is A[1, 0]
     rates = gen[:, :, 1, 0]  # (32, 2)
-    angle = coords @ rates.T  # (15, 32)
-    pairs = x.view(1, 1, 15, 32, 2)
-    expected = torch.stack(
-        (
-            pairs[..., 0] * angle.cos() - pairs[..., 1] * angle.sin(),
-            pairs[..., 0] * angle.sin() + pairs[..., 1] * angle.cos(),
-        ),
-        dim=-1,
+    assert torch.allclose(scheme.rotate(x, coords), _rotate_pairs(x, coords @ rates.T), atol=1e-5)
+
+
+def _rotate_pairs(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """Channel pairs (2j, 2j + 1) of ``x`` (..., N, d) turned by ``angle`` (N, d / 2), as RoPE-Mixed turns them."""
+    pairs = x.unflatten(-1, (-1, 2))
+    cos, sin = angle.cos(), angle.sin()
+    return torch.stack(
+        (pairs[..., 0] * cos - pairs[..., 1] * sin, pairs[..., 0] * sin + pairs[..., 1] * cos), -1
     ).flatten(-2)
-    assert torch.allclose(scheme.rotate(x, coords), expected, atol=1e-5)
 
 
 def test_prefix_tokens_not_rotated():
@@ -133,16 +133,8 @@ def test_b2_scales_like_rope_mixed(mode):
     else:
         angle = coords @ scale_frequencies(rates.detach(), factors, mode, (3, 4), 0.1, 1.0)
         mscale = yarn_attention_factor(factors) if mode == "yarn" else 1.0
-    pairs = x.view(1, 1, 60, 32, 2)
-    expected = torch.stack(
-        (
-            pairs[..., 0] * angle.cos() - pairs[..., 1] * angle.sin(),
-            pairs[..., 0] * angle.sin() + pairs[..., 1] * angle.cos(),
-        ),
-        dim=-1,
-    ).flatten(-2)
     out = scheme.apply(x, scheme.prepare(coords, grid_size=grid), layer=1)
-    assert torch.allclose(out, expected * mscale, atol=1e-5)
+    assert torch.allclose(out, _rotate_pairs(x, angle) * mscale, atol=1e-5)
     if mode != "pi":  # the rule is not PI's
         assert not torch.allclose(angle, (coords / torch.tensor(factors)) @ rates, atol=1e-3)
 
