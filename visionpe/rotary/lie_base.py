@@ -138,7 +138,8 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
         """``plan(layer)`` is :meth:`rotation_chunks` ``(coords, layer)``; built once per forward (in
         :meth:`prepare`), it sets up what every layer needs at once: the word tables of all layers' series and
         the norms that set their squaring counts (:func:`~visionpe.rotary.skew_exp.block_skew_expm_layers`).
-        ``factors``: per-axis NTK / YaRN factors, for schemes that support those modes (not LieRE).
+        ``factors``: per-axis NTK / YaRN factors; the generators' rates are rescaled (:meth:`scaled_generators`,
+        2 x 2 blocks only).
 
         Subclasses that override :meth:`rotation_chunks` override this too. A chunk function may carry
         ``rotate_qkv_(qkv, num_heads, num_prefix_tokens, tokens)``, which :meth:`apply_qkv_` then calls instead of
