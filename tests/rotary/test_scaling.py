@@ -123,3 +123,13 @@ def test_bad_input():
     with pytest.raises(ValueError, match="no rotary scheme"):
         set_extrapolation(timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed="learned", depth=1), "pi")
     assert visionpe.list_schemes("rotary")  # registry still importable after the scaling module
+
+
+def test_model_switch_is_all_or_none():
+    # ComRoPE with test-grid positions refuses every scaled mode: the RoPE beside it must not switch either
+    model = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=["rope_axial", "comrope_ld"], depth=1)
+    with pytest.raises(ValueError, match="comrope_ld: extrapolation='ntk' with pos_norm='test_grid' would scale"):
+        set_extrapolation(model, "ntk")
+    assert [s.extrapolation for s in model.pos_schemes.values()] == ["none", "none"]
+    assert model.pos_schemes["rope_axial"].accepted_extrapolation() == ("none", "pi", "ntk", "yarn")
+    assert model.pos_schemes["comrope_ld"].accepted_extrapolation() == ("none",)

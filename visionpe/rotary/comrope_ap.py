@@ -85,16 +85,13 @@ class ComRoPEBase(LieBlockRotary):
         self.coord_mode = "normalized"
         self.blocks = nn.Parameter(torch.randn(depth, num_heads, self.num_blocks, block_size, block_size) * init_std)
 
-    def set_extrapolation(self, mode: str, **kwargs) -> None:
+    def extrapolation_refusal(self, mode: str, train_grid_size: tuple[int, ...] | None = None) -> str | None:
         if mode != "none" and self.pos_norm == "test_grid":
-            raise ValueError(
+            return (
                 f"extrapolation={mode!r} with pos_norm='test_grid' would scale twice: positions normalised by the "
                 "test grid already interpolate; use pos_norm='train_grid'"
             )
-        super().set_extrapolation(mode, **kwargs)
-
-    def accepted_extrapolation(self) -> tuple[str, ...]:
-        return ("none",) if self.pos_norm == "test_grid" else super().accepted_extrapolation()
+        return super().extrapolation_refusal(mode, train_grid_size)
 
     def coords(self, grid_size: tuple[int, ...], device=None) -> torch.Tensor:
         grid_size = self.check_grid(grid_size)

@@ -160,41 +160,50 @@ class Extrapolation(nn.Module):
             alpha, beta: YaRN ramp bounds (kept when None).
             train_grid_size: override the training grid the factors are relative to.
         """
-        name = type(self).__name__
         if not isinstance(mode, str) or mode not in EXTRAPOLATION_MODES:
             raise ValueError(f"extrapolation must be one of {EXTRAPOLATION_MODES}, got {mode!r}")
-        if mode not in self.supported_extrapolation:
-            raise ValueError(
-                f"{name} supports extrapolation modes {self.supported_extrapolation}, got {mode!r}: "
-                f"its rotation is not a set of frequencies that {mode} could rescale"
-            )
-        if train_grid_size is not None:
-            self.train_grid_size = validate_grid_size(train_grid_size, "train_grid_size")
+        train = (
+            self.train_grid_size if train_grid_size is None else validate_grid_size(train_grid_size, "train_grid_size")
+        )
         for arg, value in (("alpha", alpha), ("beta", beta)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise TypeError(f"yarn {arg} must be a number, got {type(value).__name__} ({value!r})")
         alpha = self.yarn_alpha if alpha is None else float(alpha)
         beta = self.yarn_beta if beta is None else float(beta)
+        reason = self.extrapolation_refusal(mode, train)
+        if reason is not None:
+            raise ValueError(reason)
         if not (math.isfinite(alpha) and math.isfinite(beta) and beta > alpha):
             raise ValueError(f"yarn_beta must be greater than yarn_alpha, got alpha={alpha}, beta={beta}")
-        if mode != "none":
-            if self.train_grid_size is None:
-                raise ValueError(
-                    f"extrapolation={mode!r} needs the training grid: build {name} with grid_size=... "
-                    "(the model passes it) or call set_extrapolation(..., train_grid_size=...)"
-                )
-            if getattr(self, "coord_mode", "index") != "index" and not getattr(self, "_scales_own_coords", False):
-                raise ValueError(
-                    f"extrapolation={mode!r} rescales integer positions, but {name} uses "
-                    f"coord_mode={self.coord_mode!r}, which already interpolates"
-                )
+        self.train_grid_size = train
         self.extrapolation, self.yarn_alpha, self.yarn_beta = mode, alpha, beta
 
-    def accepted_extrapolation(self) -> tuple[str, ...]:
-        """The modes :meth:`set_extrapolation` accepts in this configuration (a subset of the supported ones)."""
+    def extrapolation_refusal(self, mode: str, train_grid_size: tuple[int, ...] | None = None) -> str | None:
+        """Why :meth:`set_extrapolation` would refuse ``mode`` in this configuration (with ``train_grid_size``,
+        default the current training grid), or None: the one place every refusal is decided."""
+        name = type(self).__name__
+        if mode not in self.supported_extrapolation:
+            return (
+                f"{name} supports extrapolation modes {self.supported_extrapolation}, got {mode!r}: "
+                f"its rotation is not a set of frequencies that {mode} could rescale"
+            )
+        if mode == "none":
+            return None
+        if (train_grid_size or self.train_grid_size) is None:
+            return (
+                f"extrapolation={mode!r} needs the training grid: build {name} with grid_size=... "
+                "(the model passes it) or call set_extrapolation(..., train_grid_size=...)"
+            )
         if getattr(self, "coord_mode", "index") != "index" and not getattr(self, "_scales_own_coords", False):
-            return ("none",)
-        return self.supported_extrapolation
+            return (
+                f"extrapolation={mode!r} rescales integer positions, but {name} uses "
+                f"coord_mode={self.coord_mode!r}, which already interpolates"
+            )
+        return None
+
+    def accepted_extrapolation(self) -> tuple[str, ...]:
+        """The modes :meth:`set_extrapolation` accepts in this configuration."""
+        return tuple(mode for mode in EXTRAPOLATION_MODES if self.extrapolation_refusal(mode) is None)
 
     def scale_factors(self, grid_size: Sequence[int] | None) -> tuple[float, ...] | None:
         """Per-axis factors for the current grid, or None when nothing is scaled."""
@@ -229,12 +238,13 @@ def set_extrapolation(
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, Extrapolation)]
     if not targets:
         raise ValueError(f"{type(model).__name__} has no rotary scheme that supports extrapolation")
+    if not isinstance(mode, str) or mode not in EXTRAPOLATION_MODES:
+        raise ValueError(f"extrapolation must be one of {EXTRAPOLATION_MODES}, got {mode!r}")
+    train = None if train_grid_size is None else validate_grid_size(train_grid_size, "train_grid_size")
     for name, module in targets:  # validate everything first: all switch or none
-        if mode not in module.supported_extrapolation:
-            raise ValueError(
-                f"{name or type(module).__name__} ({type(module).__name__}) supports extrapolation modes "
-                f"{module.supported_extrapolation}, got {mode!r}"
-            )
+        reason = module.extrapolation_refusal(mode, train)
+        if reason is not None:
+            raise ValueError(f"{name or type(module).__name__}: {reason}")
     for _, module in targets:
         module.set_extrapolation(mode, alpha=alpha, beta=beta, train_grid_size=train_grid_size)
     return [name for name, _ in targets]
