@@ -32,7 +32,7 @@ from torch import nn
 from ..grid import grid_coords
 from ..registry import register_scheme
 from .lie_base import LieBlockRotary
-from .scaling import EXTRAPOLATION_MODES, scale_frequencies
+from .scaling import EXTRAPOLATION_MODES
 from .skew_exp import block_skew_expm_layers
 
 __all__ = ["ComRoPEBase", "ComRoPEAP"]
@@ -143,10 +143,7 @@ class ComRoPEBase(LieBlockRotary):
             cells = torch.tensor(self.train_grid_size, dtype=torch.float64, device=skew.device)
             coeff = self.axis_coefficients().detach().double() / cells[:, None]  # (L | 1, ndim, m)
             freqs = coeff[:, None, :, :, None] * omega[:, :, None]  # (L, h, ndim, m, b)
-            scaled = scale_frequencies(
-                freqs.flatten(-2), factors, self.extrapolation, self.train_grid_size, self.yarn_alpha, self.yarn_beta
-            ).view_as(freqs)
-            ratio = torch.where(freqs != 0, scaled / torch.where(freqs != 0, freqs, 1.0), 1.0)
+            ratio = self.frequency_multipliers(freqs.flatten(-2), factors).view_as(freqs)
             # phi_a(S^2) = U diag(ratio) U^T, per axis
             phi = (basis.unsqueeze(2) * ratio.unsqueeze(-2)) @ basis.unsqueeze(2).transpose(-1, -2)
         out = skew.double().unsqueeze(2) @ phi  # (L, h, ndim, m, b, b)

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from ..base import RotaryPositionEncoding
-from .scaling import EXTRAPOLATION_MODES, Extrapolation, scale_frequencies, yarn_attention_factor
+from .scaling import EXTRAPOLATION_MODES, Extrapolation, yarn_attention_factor
 from .skew_exp import (
     apply_block_rotation,
     block_skew_expm,
@@ -173,12 +173,7 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
                 f"{type(self).__name__} with {generators.shape[-1]} x {generators.shape[-1]} blocks has no "
                 "frequencies to rescale (its generators do not commute): extrapolation 'pi' only"
             )
-        rates = generators[..., 1, 0].transpose(-1, -2)  # (..., ndim, m)
-        with torch.no_grad():
-            scaled = scale_frequencies(
-                rates.detach(), factors, self.extrapolation, self.train_grid_size, self.yarn_alpha, self.yarn_beta
-            )
-            ratio = torch.where(rates != 0, scaled / torch.where(rates != 0, rates, 1.0), 1.0)
+        ratio = self.frequency_multipliers(generators[..., 1, 0].transpose(-1, -2), factors)  # (..., ndim, m)
         return generators * ratio.transpose(-1, -2)[..., None, None]
 
     def apply(self, qk: torch.Tensor, state: LieState, layer: int) -> torch.Tensor:

@@ -205,6 +205,17 @@ class Extrapolation(nn.Module):
         """The modes :meth:`set_extrapolation` accepts in this configuration."""
         return tuple(mode for mode in EXTRAPOLATION_MODES if self.extrapolation_refusal(mode) is None)
 
+    def frequency_multipliers(self, freqs: torch.Tensor, factors: Sequence[float]) -> torch.Tensor:
+        """(..., ndim, P) multiplier of each frequency under the current mode (:func:`scale_frequencies` over the
+        frequency; 1 where a frequency is zero), without gradient: for schemes whose frequencies are read off
+        learned generators (a constant of the backward, as for learned RoPE frequencies)."""
+        with torch.no_grad():
+            freqs = freqs.detach()
+            scaled = scale_frequencies(
+                freqs, factors, self.extrapolation, self.train_grid_size, self.yarn_alpha, self.yarn_beta
+            )
+            return torch.where(freqs != 0, scaled / torch.where(freqs != 0, freqs, 1.0), 1.0)
+
     def scale_factors(self, grid_size: Sequence[int] | None) -> tuple[float, ...] | None:
         """Per-axis factors for the current grid, or None when nothing is scaled."""
         if self.extrapolation == "none" or grid_size is None:
