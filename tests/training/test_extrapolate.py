@@ -174,7 +174,9 @@ def test_scheme_options_in_overrides_reach_the_sweep(monkeypatch):
         raise RuntimeError("reached training")
 
     monkeypatch.setattr(experiments, "train_from_config", reached)
+    options = ['--model.pos_embed_kwargs={"pos_norm": "train_grid"}']
     with pytest.raises(RuntimeError, match="reached training"):
-        experiments.run_sweep(
-            DIGITS, schemes=["comrope_ld"], overrides=['--model.pos_embed_kwargs={"pos_norm": "train_grid"}']
-        )
+        experiments.run_sweep(DIGITS, schemes=["comrope_ld"], overrides=options)
+    # a scheme that does not take the options fails before any run trains
+    with pytest.raises(ValueError, match=r"liere got unknown option\(s\) \['pos_norm'\]"):
+        experiments.run_sweep(DIGITS, schemes=["comrope_ld", "liere"], overrides=options)

@@ -64,10 +64,12 @@ def train_from_config(config: str | Path, overrides: Sequence[str], out_dir: str
     return cli.model.eval(), cli.datamodule
 
 
-def _data_takes_seed(config: str | Path, overrides: Sequence[str]) -> bool:
-    """Whether the data module of ``config`` has a ``seed`` argument (the digits do; an ImageFolder does not)."""
-    datamodule = run_cli(args=["--config", str(config), *overrides], run=False).datamodule
-    return "seed" in inspect.signature(type(datamodule).__init__).parameters
+def _check_runs(config: str | Path, runs: Sequence[Sequence[str]]) -> bool:
+    """Build every run's model and data module once, before any training, so that an option a scheme does not
+    take fails in seconds, not after the runs before it trained; returns whether the data module has a ``seed``
+    argument (the digits do; an ImageFolder does not)."""
+    datamodules = [run_cli(args=["--config", str(config), *args], run=False).datamodule for args in runs]
+    return "seed" in inspect.signature(type(datamodules[0]).__init__).parameters
 
 
 def _has_rotary(model: Classifier) -> bool:
@@ -126,8 +128,7 @@ def run_sweep(
     runs += [(REFERENCE_MODELS[r][0], reference_args(r)) for r in references]
 
     rows, datamodule = [], None
-    # built with the first run's arguments: the common overrides may hold options of its scheme (pos_embed_kwargs)
-    data_seed = runs and _data_takes_seed(config, [*runs[0][1], *common])
+    data_seed = bool(runs) and _check_runs(config, [[*run_args, *common] for _, run_args in runs])
     for seed in seeds:
         models: dict[str, Classifier] = {}
         for label, run_args in runs:
