@@ -72,9 +72,9 @@ def _check_runs(config: str | Path, runs: Sequence[Sequence[str]]) -> bool:
     return "seed" in inspect.signature(type(datamodules[0]).__init__).parameters
 
 
-def _has_rotary(model: Classifier) -> bool:
-    schemes = getattr(model.model, "pos_schemes", {})
-    return any(getattr(s, "kind", None) == "rotary" for s in schemes.values())
+def _scalable(model: torch.nn.Module) -> list[Extrapolation]:
+    """The schemes of ``model`` that :func:`~visionpe.set_extrapolation` switches (every rotary scheme)."""
+    return [m for m in model.modules() if isinstance(m, Extrapolation)]
 
 
 def accepts_extrapolation(model: torch.nn.Module, mode: str) -> bool:
@@ -83,7 +83,7 @@ def accepts_extrapolation(model: torch.nn.Module, mode: str) -> bool:
     ComRoPE's test-grid positions already interpolate), so that one sweep can list every scheme and mode."""
     if mode == "none":
         return True
-    schemes = [m for m in model.modules() if isinstance(m, Extrapolation)]
+    schemes = _scalable(model)
     return bool(schemes) and all(mode in s.accepted_extrapolation() for s in schemes)
 
 
@@ -154,11 +154,11 @@ def run_sweep(
                 if accepts_extrapolation(model.model, mode)
             }
             for model in selected.values():
-                if _has_rotary(model):
+                if _scalable(model.model):
                     set_extrapolation(model.model, mode)
             rows += sweep(selected, datamodule.eval_dataloader, test_sizes, seed=seed, device=device)
         for model in models.values():
-            if _has_rotary(model):
+            if _scalable(model.model):
                 set_extrapolation(model.model, "none")
     title = title or f"Extrapolation sweep ({Path(config).stem})"
     return write_report(rows, out_dir, title, size_label=getattr(datamodule, "size_label", "px"))
