@@ -55,3 +55,23 @@ def test_small_attention_is_not_chunked():
     attn = timm.create_model("visionpe_vit_small_patch16_224", pos_embed="irpe", depth=1).blocks[0].attn
     assert attn.query_chunk_rows(8, 197) >= 197  # 224 px, batch 8: one piece, no speed cost
     assert attn.query_chunk_rows(1, 4097) < 4097  # 1024 px: chunked
+
+
+@pytest.mark.parametrize("name, kwargs", [*CASES, ("rope_axial", {}), ("liere", {}), ("learned", {})])
+def test_boolean_mask_is_a_mask_not_a_bias(name, kwargs):
+    """A boolean attn_mask (SDPA's convention, True: may attend) means what it means for timm's Attention: keys
+    it masks get no weight, whatever bias or rotary scheme runs; the same as the 0 / -inf float mask."""
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "visionpe_vit_tiny_patch16_224", pos_embed=name, pos_embed_kwargs=kwargs, depth=2, dynamic_img_size=True
+    ).eval()
+    images = torch.randn(2, 3, 64, 80)  # 4 x 5 patches + cls = 21 tokens
+    allowed = torch.ones(21, 21, dtype=torch.bool)
+    allowed[:, 16:] = False  # the last patch row is hidden from every query
+    additive = torch.zeros(21, 21).masked_fill(~allowed, float("-inf"))
+    with torch.no_grad():
+        boolean = model.forward_features(images, attn_mask=allowed)
+        reference = model.forward_features(images, attn_mask=additive)
+        unmasked = model.forward_features(images)
+    torch.testing.assert_close(boolean, reference, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(boolean[:, :16], unmasked[:, :16], atol=1e-3)  # the mask does change the output

@@ -171,8 +171,14 @@ class PosAttention(Attention):
         is_causal: bool,
         rows: slice | None,
     ) -> torch.Tensor:
-        """Attention of the queries ``q`` (all of them, or the query ``rows``) over every key: (B, h, R, head_dim)."""
+        """Attention of the queries ``q`` (all of them, or the query ``rows``) over every key: (B, h, R, head_dim).
+
+        ``attn_mask`` follows ``scaled_dot_product_attention``: a boolean mask (True: may attend) or a float mask
+        added to the logits. Bias terms are added to it, so a boolean mask becomes 0 / -inf first.
+        """
         bias = attn_mask
+        if bias is not None and bias.dtype == torch.bool:
+            bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill_(~bias, float("-inf"))
         for scheme, state in pos.bias:
             term = scheme.attn_bias(q, k, state, self.layer, rows=rows)
             bias = term if bias is None else bias + term
