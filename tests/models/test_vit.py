@@ -127,6 +127,9 @@ def test_bad_input_errors():
         _model("rope_axial", pos_embed_kwargs={"bse": 10})
     with pytest.raises(ValueError, match="patch_drop_rate"):
         _model("rope_axial", patch_drop_rate=0.5)
+    with pytest.raises(ValueError, match="'cpe' runs after blocks \\(0,\\)"):  # the PEG convolves the whole grid
+        _model("cpe", patch_drop_rate=0.5)
+    assert _model("learned", patch_drop_rate=0.5)(torch.randn(1, 3, 224, 224)).isfinite().all()
     with pytest.raises(ValueError, match="supports 2D grids"):
         visionpe.create_pos_embed("sincos", dim=64, num_heads=2).coords((2, 3, 4))
 

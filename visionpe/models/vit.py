@@ -93,7 +93,8 @@ class VisionPEViT(VisionTransformer):
         **kwargs: Any,
     ) -> None:
         schemes = normalize_schemes(pos_embed, pos_embed_kwargs)
-        if kwargs.get("patch_drop_rate", 0.0) > 0 and any(get_scheme_class(n).kind != "absolute" for n in schemes):
+        patch_drop = kwargs.get("patch_drop_rate", 0.0) > 0
+        if patch_drop and any(get_scheme_class(n).kind != "absolute" for n in schemes):
             raise ValueError(
                 "patch_drop_rate > 0 is supported with absolute schemes only, got "
                 f"pos_embed={list(schemes)} with patch_drop_rate={kwargs['patch_drop_rate']}"
@@ -113,6 +114,13 @@ class VisionPEViT(VisionTransformer):
             self.pos_schemes[name] = create_pos_embed(
                 name, dim=self.embed_dim, num_heads=num_heads, depth=depth, **extra, **opts
             )
+            after = getattr(self.pos_schemes[name], "insert_after", ())  # absolute schemes only
+            if patch_drop and after:
+                # applied between blocks, to the token grid that patch dropout has already thinned (CPE's conv)
+                raise ValueError(
+                    f"patch_drop_rate > 0 needs every patch on the grid after the embedding, but {name!r} runs "
+                    f"after blocks {after}; got patch_drop_rate={kwargs['patch_drop_rate']}"
+                )
         self.pos_embed_names = list(schemes)
 
     # -- position state -------------------------------------------------------------------------------------
