@@ -18,5 +18,7 @@ def test_unknown_option_and_bad_dims():
         visionpe.create_pos_embed("rope_axial", dim=64, num_heads=2, temprature=10)
     with pytest.raises(ValueError, match="divisible by num_heads"):
         visionpe.create_pos_embed("rope_axial", dim=64, num_heads=3)
-    with pytest.raises(TypeError, match="dim must be an int"):
+    with pytest.raises(TypeError, match=r"dim must be a positive int, got str \('64'\)"):
         visionpe.create_pos_embed("rope_axial", dim="64", num_heads=2)
+    with pytest.raises(ValueError, match="depth must be a positive int, got 0"):
+        visionpe.create_pos_embed("rope_axial", dim=64, num_heads=2, depth=0)

@@ -27,8 +27,29 @@ __all__ = [
     "RotaryPositionEncoding",
     "BiasPositionEncoding",
     "check_coords",
+    "check_model_shape",
     "check_rotate_input",
 ]
+
+
+def check_model_shape(dim: int, num_heads: int, depth: int = 1) -> int:
+    """Validate the model shape a scheme is built for; return ``head_dim = dim // num_heads``.
+
+    ``dim``, ``num_heads`` and ``depth`` must be positive ints (TypeError for other types, bool included;
+    ValueError for values <= 0) and ``num_heads`` must divide ``dim``.
+
+    Example:
+        >>> check_model_shape(384, 6, 12)
+        64
+    """
+    for arg, value in (("dim", dim), ("num_heads", num_heads), ("depth", depth)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{arg} must be a positive int, got {type(value).__name__} ({value!r})")
+        if value <= 0:
+            raise ValueError(f"{arg} must be a positive int, got {value}")
+    if dim % num_heads:
+        raise ValueError(f"dim must be divisible by num_heads, got dim={dim}, num_heads={num_heads}")
+    return dim // num_heads
 
 
 def check_coords(coords: torch.Tensor, ndims: tuple[int, ...], scheme: str) -> torch.Tensor:

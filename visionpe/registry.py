@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .base import check_model_shape
+
 __all__ = ["register_scheme", "list_schemes", "create_pos_embed", "get_scheme_class"]
 
 _SCHEMES: dict[str, type[nn.Module]] = {}
@@ -66,13 +68,7 @@ def create_pos_embed(name: str, *, dim: int, num_heads: int, depth: int = 1, **k
         'rotary'
     """
     cls = get_scheme_class(name)
-    for arg, value in (("dim", dim), ("num_heads", num_heads), ("depth", depth)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{arg} must be an int, got {type(value).__name__} ({value!r})")
-        if value <= 0:
-            raise ValueError(f"{arg} must be positive, got {value}")
-    if dim % num_heads:
-        raise ValueError(f"dim must be divisible by num_heads, got dim={dim}, num_heads={num_heads}")
+    check_model_shape(dim, num_heads, depth)
     params = inspect.signature(cls.__init__).parameters
     accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     unknown = [k for k in kwargs if k not in params or k in ("self", "dim", "num_heads", "depth")]

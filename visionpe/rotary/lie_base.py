@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..base import RotaryPositionEncoding
+from ..base import RotaryPositionEncoding, check_model_shape
 from .scaling import EXTRAPOLATION_MODES, Extrapolation, yarn_attention_factor
 from .skew_exp import (
     apply_block_rotation,
@@ -72,13 +72,8 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
         extrapolation: str,
     ) -> None:
         super().__init__()
-        for name, value in (("dim", dim), ("num_heads", num_heads), ("depth", depth), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if dim % num_heads:
-            raise ValueError(f"dim must be divisible by num_heads, got dim={dim}, num_heads={num_heads}")
-        head_dim = dim // num_heads
-        if block_size < 2 or head_dim % block_size:
+        head_dim = check_model_shape(dim, num_heads, depth)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or head_dim % block_size:
             raise ValueError(f"block_size must be >= 2 and divide head_dim={head_dim}, got block_size={block_size}")
         if ndim not in (2, 3):
             raise ValueError(f"ndim must be 2 or 3, got {ndim!r}")
