@@ -128,6 +128,25 @@ def test_bias_mode_is_table_lookup():
     torch.testing.assert_close(rpe.attn_bias(q, k, state, 0), rpe.tables["k"][0][:, ids][None])
 
 
+@pytest.mark.parametrize("method", ["euclidean", "quant", "cross", "product"])
+def test_bias_mode_on_q_and_k_follows_the_reference(method):
+    """Bias mode on "qk": the k table is read at I(i, j), the q table at I(j, i) (the reference computes the q term
+    as a key-side lookup and transposes it: ``rpe_q(k).transpose(2, 3)``); product and cross are not symmetric."""
+    torch.manual_seed(0)
+    rpe = IRPE(16, 2, 1, method=method, mode="bias", on="qk", shared_heads=False, num_prefix_tokens=1)
+    for table in rpe.tables.values():
+        torch.nn.init.normal_(table)
+    grid = (2, 3)
+    q = k = torch.randn(1, 2, 7, 8)
+    ids = irpe_bucket_ids(grid, method, 1.9, 1)
+    r_k, r_q = rpe.tables["k"][0], rpe.tables["q"][0]  # (h, n_b)
+    if ids.ndim == 3:  # cross: the two per-axis buckets add
+        expected = r_k[:, ids[0]] + r_k[:, ids[1]] + (r_q[:, ids[0]] + r_q[:, ids[1]]).transpose(-2, -1)
+    else:
+        expected = r_k[:, ids] + r_q[:, ids].transpose(-2, -1)
+    torch.testing.assert_close(rpe.attn_bias(q, k, rpe.prepare(grid, 1), 0), expected[None])
+
+
 def test_bias_is_translation_invariant():
     torch.manual_seed(0)
     rpe = IRPE(16, 2, 1, on="qk", num_prefix_tokens=0)
@@ -169,6 +188,19 @@ def test_bad_inputs_raise():
     state = rpe.prepare((3, 4), 1)
     with pytest.raises(ValueError, match="q must have shape"):
         rpe.attn_bias(torch.randn(1, 2, 12, 8), torch.randn(1, 2, 13, 8), state, 0)
+    # a head count that differs from the scheme's: never broadcast silently, even from one head
+    for heads in (1, 4):
+        with pytest.raises(ValueError, match=r"q must have shape \(B, num_heads=2"):
+            rpe.attn_bias(torch.randn(1, heads, 13, 8), torch.randn(1, heads, 13, 8), state, 0)
+        with pytest.raises(ValueError, match=r"k must have shape \(B, num_heads=2"):
+            rpe.attn_bias(torch.randn(1, 2, 13, 8), torch.randn(1, heads, 13, 8), state, 0)
+    values = IRPE(16, 2, on="kv", shared_heads=False)
+    with pytest.raises(ValueError, match=r"attn must have shape \(B, num_heads=2"):
+        values.value_term(torch.rand(1, 4, 13, 13), values.prepare((3, 4), 1), 0)
+    with pytest.raises(ValueError, match="num_heads must be a positive int, got 0"):
+        IRPE(16, 0)
+    with pytest.raises(ValueError, match="depth must be a positive int, got 0"):
+        IRPE(16, 2, depth=0)
     with pytest.raises(ValueError, match="alpha"):
         irpe_piecewise_index(torch.arange(3), 0.0, 1.0, 2.0)
     with pytest.raises(TypeError, match="rel"):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..base import BiasPositionEncoding
+from ..base import BiasPositionEncoding, check_model_shape
 from ..grid import validate_count, validate_grid_size
 from ..registry import register_scheme
 from .offsets import OffsetState, gather_offsets, offset_state, query_rows
@@ -219,8 +219,7 @@ class IRPE(BiasPositionEncoding):
             raise ValueError(f"on must name distinct targets among 'q', 'k', 'v' (e.g. 'k' or 'qkv'), got {on!r}")
         if mode == "bias" and "v" in on_set:
             raise ValueError("iRPE on 'v' exists only in mode='contextual'; bias mode is defined for 'q' and 'k'")
-        if dim % num_heads:
-            raise ValueError(f"dim must be divisible by num_heads, got dim={dim}, num_heads={num_heads}")
+        check_model_shape(dim, num_heads, depth)
         validate_count(num_prefix_tokens)
         self.method, self.mode, self.on = method, mode, "".join(t for t in "qkv" if t in on_set)
         self.ratio, self.shared_heads = _check_positive("ratio", ratio), bool(shared_heads)
@@ -287,11 +286,12 @@ class IRPE(BiasPositionEncoding):
 
     def _check_rows(self, x: torch.Tensor, state: IRPEState, name: str, rows: slice | None) -> int:
         expected = len(query_rows(rows, state.num_tokens))
-        if not isinstance(x, torch.Tensor) or x.ndim != 4 or x.shape[-2] != expected or x.shape[-1] != self.head_dim:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        shape = (self.num_heads, expected, self.head_dim)
+        if not isinstance(x, torch.Tensor) or x.ndim != 4 or tuple(x.shape[1:]) != shape:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(
-                f"{name} must have shape (B, num_heads, {expected}, {self.head_dim}) for this grid"
-                f"{'' if rows is None else f' and rows={rows}'}, got {shape}"
+                f"{name} must have shape (B, num_heads={self.num_heads}, {expected}, {self.head_dim}) for this grid"
+                f"{'' if rows is None else f' and rows={rows}'}, got {got}"
             )
         return expected
 
@@ -311,14 +311,20 @@ class IRPE(BiasPositionEncoding):
         scale = self.head_dim**-0.5  # (q / sqrt(d)) R = q (R / sqrt(d)): scale the small table, not q
         for target in self.on.replace("v", ""):
             table = self.tables[target][layer]
-            if self.mode == "bias":
-                term = self._lookup(table[None, :, None, :].expand(-1, -1, num_rows, -1), flat)
-            elif target == "k":
-                term = self._lookup(q @ (table * scale).to(q.dtype), flat)
+            if target == "k":
+                if self.mode == "bias":
+                    term = self._lookup(table[None, :, None, :].expand(-1, -1, num_rows, -1), flat)
+                else:
+                    term = self._lookup(q @ (table * scale).to(q.dtype), flat)
             else:
-                # the query-side term is a key-side lookup, transposed (as the reference code does)
+                # the query-side term is a key-side lookup, transposed, as the reference code does in both modes:
+                # pair (i, j) reads bucket I(j, i) of the q table (for product and cross, the bucket of -delta)
                 flat_t = self._flat_ids(state, every, selected)
-                term = self._lookup(k @ (table * scale).to(k.dtype), flat_t).transpose(-2, -1)
+                if self.mode == "bias":
+                    values = table[None, :, None, :].expand(-1, -1, state.num_tokens, -1)
+                else:
+                    values = k @ (table * scale).to(k.dtype)
+                term = self._lookup(values, flat_t).transpose(-2, -1)
             bias = term if bias is None else bias + term
         if bias is None:  # values only: no logit term
             return q.new_zeros(1, 1, 1, 1)
@@ -335,9 +341,10 @@ class IRPE(BiasPositionEncoding):
         n = state.num_tokens
         selected = query_rows(rows, n)
         num_rows = len(selected)
-        if not isinstance(attn, torch.Tensor) or attn.ndim != 4 or attn.shape[-2:] != (num_rows, n):
+        expected = (self.num_heads, num_rows, n)
+        if not isinstance(attn, torch.Tensor) or attn.ndim != 4 or tuple(attn.shape[1:]) != expected:
             shape = tuple(attn.shape) if isinstance(attn, torch.Tensor) else type(attn).__name__
-            raise ValueError(f"attn must have shape (B, num_heads, {num_rows}, {n}), got {shape}")
+            raise ValueError(f"attn must have shape (B, num_heads={self.num_heads}, {num_rows}, {n}), got {shape}")
         flat = self._flat_ids(state, selected, range(n))
         flat_attn = attn.flatten(-2)
         sums = attn.new_zeros(*attn.shape[:2], num_rows * self.num_buckets)
