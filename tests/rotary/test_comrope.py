@@ -88,6 +88,45 @@ def test_bad_input():
         visionpe.create_pos_embed("comrope_ap", dim=128, num_heads=2, block_size=5)
 
 
+@pytest.mark.parametrize("cls", CLASSES)
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_heads": 0}, "num_heads must be .*got 0"),
+        ({"num_heads": 3}, "dim must be divisible by num_heads, got dim=128, num_heads=3"),
+        ({"depth": 0}, "depth must be .*got 0"),
+        ({"depth": -1}, "depth must be .*got -1"),
+        ({"init_std": float("inf")}, "init_std must be a finite non-negative number, got inf"),
+        ({"init_std": float("nan")}, "init_std must be a finite non-negative number, got nan"),
+        ({"init_std": -0.5}, "init_std must be a finite non-negative number, got -0.5"),
+        ({"init_std": "1"}, "init_std must be a finite non-negative number, got '1'"),
+    ],
+)
+def test_bad_construction(cls, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cls(**{"dim": 128, "num_heads": 2, **kwargs})
+
+
+@pytest.mark.parametrize("block_size, ndim", [(64, 2), (32, 3), (64, 3)])
+def test_ap_needs_a_block_per_axis(block_size, ndim):
+    # AP: block j turns with axis j mod ndim only, so fewer blocks than axes would leave an axis without one
+    with pytest.raises(
+        ValueError, match=f"block_size must .* got block_size={block_size} with head_dim=64, ndim={ndim}"
+    ):
+        ComRoPEAP(128, 2, block_size=block_size, ndim=ndim)
+    # LD: every block turns with every axis, one block per head serves all of them
+    grid = (3, 5) if ndim == 2 else (2, 3, 4)
+    coords = grid_coords(grid)
+    scheme = ComRoPELD(128, 2, block_size=block_size, ndim=ndim)
+    x = torch.randn(1, 2, len(coords), 64)
+    out = scheme.rotate(x, coords)
+    assert out.shape == x.shape and torch.allclose(out.norm(dim=-1), x.norm(dim=-1), atol=1e-4)
+    # exactly ndim blocks per head: AP builds and rotates
+    ap = ComRoPEAP(32 * ndim, 2, block_size=16, ndim=ndim)
+    x = torch.randn(1, 2, len(coords), 16 * ndim)
+    assert ap.num_blocks == ndim and ap.rotate(x, coords).shape == x.shape
+
+
 @pytest.mark.parametrize("name", ["comrope_ap", "comrope_ld"])
 @pytest.mark.parametrize("size", [(224, 224), (384, 384), (160, 288)])
 def test_model_forward_backward(name, size):

@@ -5,8 +5,9 @@ import torch
 import visionpe
 from visionpe.grid import grid_coords
 from visionpe.rotary.rope_axial import RopeAxial
-from visionpe.rotary.string_cayley import cayley_orthogonal, fold_string_
-from visionpe.rotary.string_circulant import circulant_generator, circulant_string_fft, fourier_basis
+from visionpe.rotary.rope_mixed import RopeMixed
+from visionpe.rotary.string_cayley import StringCayley, cayley_orthogonal, fold_string_
+from visionpe.rotary.string_circulant import StringCirculant, circulant_generator, circulant_string_fft, fourier_basis
 
 from ..model_checks import check_forward_backward
 
@@ -177,6 +178,42 @@ def test_bad_input(name):
         visionpe.create_pos_embed(name, dim=128, num_heads=2, base=-1.0)
     with pytest.raises(ValueError, match="extrapolation must be one of"):
         visionpe.create_pos_embed(name, dim=128, num_heads=2, grid_size=(14, 14), extrapolation="bogus")
+
+
+BAD_SHAPES = [
+    ({"dim": 98, "num_heads": 3}, ValueError, "dim must be divisible by num_heads, got dim=98, num_heads=3"),
+    ({"num_heads": 0}, ValueError, "num_heads must be .*got 0"),
+    ({"num_heads": 2.0}, TypeError, r"num_heads must be .*got float \(2\.0\)"),
+    ({"dim": True}, TypeError, r"dim must be .*got bool \(True\)"),
+    ({"depth": 0}, ValueError, "depth must be .*got 0"),
+    ({"depth": -1}, ValueError, "depth must be .*got -1"),
+]
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, error, match",
+    [(cls, *case) for cls in (StringCayley, StringCirculant, RopeAxial, RopeMixed) for case in BAD_SHAPES]
+    + [
+        (StringCayley, {"dim": 8, "ndim": 3}, ValueError, r"head_dim must be >= 8 for ndim=3 .*got head_dim=4"),
+        (StringCirculant, {"dim": 8}, ValueError, r"head_dim must be >= 6 for ndim=2 .*got head_dim=4"),
+        (StringCirculant, {"dim": 8, "ndim": 3}, ValueError, r"head_dim must be >= 8 for ndim=3 .*got head_dim=4"),
+    ],
+)
+def test_bad_construction(cls, kwargs, error, match):
+    # built directly, not through create_pos_embed (the same check_model_shape, in LinearRotary)
+    with pytest.raises(error, match=match):
+        cls(**{"dim": 128, "num_heads": 2, **kwargs})
+
+
+def test_rotate_fft_bad_input():
+    scheme = StringCirculant(128, 2, depth=2)
+    x = torch.randn(1, 2, 15, 64)
+    with pytest.raises(ValueError, match="coords has 6 rows but x has 15 tokens"):
+        scheme.rotate_fft(x, grid_coords((2, 3)))
+    with pytest.raises(ValueError, match=r"layer must be an int in \[0, depth=2\)"):
+        scheme.rotate_fft(x, grid_coords((3, 5)), 2)
+    with pytest.raises(ValueError, match="x must be a non-empty"):
+        scheme.rotate_fft(torch.randn(1, 2, 15, 32), grid_coords((3, 5)))
 
 
 @pytest.mark.parametrize("name", ["string_cayley", "string_circulant"])

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import RotaryPositionEncoding
+from ..base import RotaryPositionEncoding, check_model_shape
 from .functional import apply_rotary, rotary_angles, rotary_tables, rotate_qkv_pairs_
 from .scaling import Extrapolation, scale_frequencies, yarn_attention_factor
 
@@ -62,7 +62,7 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
         yarn_beta: float = 32.0,
     ) -> None:
         super().__init__()
-        head_dim = dim // num_heads
+        head_dim = check_model_shape(dim, num_heads, depth)
         if ndim not in (2, 3):
             raise ValueError(f"ndim must be 2 or 3, got {ndim!r}")
         if head_dim % 4:

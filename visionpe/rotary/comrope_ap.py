@@ -23,6 +23,7 @@ generators still commute and the relative property stays exact.
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 
@@ -77,8 +78,8 @@ class ComRoPEBase(LieBlockRotary):
             raise ValueError(f"pos_norm must be one of {POS_NORMS}, got {pos_norm!r}")
         if pos_norm == "train_grid" and grid_size is None:
             raise ValueError("pos_norm='train_grid' needs grid_size (the training grid), got None")
-        if not init_std >= 0:
-            raise ValueError(f"init_std must be non-negative, got {init_std!r}")
+        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not 0 <= init_std < math.inf:
+            raise ValueError(f"init_std must be a finite non-negative number, got {init_std!r}")
         self.pos_norm = pos_norm
         super().__init__(dim, num_heads, depth, block_size, ndim, grid_size, extrapolation)
         self.rotate_prefix, self.init_std = bool(rotate_prefix), float(init_std)
@@ -182,6 +183,11 @@ class ComRoPEAP(ComRoPEBase):
         super().__init__(
             dim, num_heads, depth, block_size, ndim, init_std, pos_norm, rotate_prefix, grid_size, extrapolation
         )
+        if self.num_blocks < ndim:  # block j belongs to axis j mod ndim: every axis needs one
+            raise ValueError(
+                f"block_size must leave head_dim // block_size >= ndim blocks (one per axis), got block_size="
+                f"{block_size} with head_dim={self.head_dim}, ndim={ndim}"
+            )
         axis = torch.arange(self.num_blocks) % ndim
         self.register_buffer("axis_mask", (axis.unsqueeze(1) == torch.arange(ndim)).float(), persistent=False)
 

@@ -135,6 +135,10 @@ class StringCayley(StringBase):
     ) -> None:
         super().__init__(dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta)
         check_base(base)
+        if ndim == 3 and self.head_dim < 8:  # the t axis gets head_dim // 8 frequency pairs
+            raise ValueError(
+                f"head_dim must be >= 8 for ndim=3 (a frequency pair per axis), got head_dim={self.head_dim}"
+            )
         pairs = self.head_dim // 2
         n_t = pairs // 4 if ndim == 3 else 0
         n_x = (pairs - n_t) // 2

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..base import check_coords
+from ..base import check_rotate_input
 from ..registry import register_scheme
 from .rope_axial import axial_frequencies, check_base
 from .string_cayley import StringBase
@@ -110,7 +110,10 @@ class StringCirculant(StringBase):
         check_base(base)
         bins = self.head_dim // 2 - 1  # rotating bins 1..d/2-1; DC and Nyquist are real and stay fixed
         if bins < ndim:
-            raise ValueError(f"head_dim={self.head_dim} leaves {bins} rotating bins for {ndim} axes")
+            raise ValueError(
+                f"head_dim must be >= {2 * ndim + 2} for ndim={ndim} (a rotating Fourier bin per axis), "
+                f"got head_dim={self.head_dim}"
+            )
         per_axis = [bins // ndim + (a < bins % ndim) for a in range(ndim)]
         rates = axial_frequencies(2 * bins, base, per_axis)  # (ndim, bins), rows in coord order
         spectrum = torch.zeros(ndim, self.head_dim // 2 + 1, dtype=torch.complex64)
@@ -133,9 +136,9 @@ class StringCirculant(StringBase):
 
     def rotate_fft(self, x: torch.Tensor, coords: torch.Tensor, layer: int = 0) -> torch.Tensor:
         """R(r) x by the FFT form, (B, num_heads, N, head_dim) -> same (equals ``rotate``)."""
-        coords = check_coords(coords, self.ndims, type(self).__name__)
+        coords = check_rotate_input(self, x, coords, layer)
         c = self.first_columns[layer] if self.first_columns.shape[0] > 1 else self.first_columns[0]
-        return circulant_string_fft(x, coords.to(x.device), c)
+        return circulant_string_fft(x, coords, c)
 
     def no_weight_decay(self) -> set[str]:
         return {"first_columns"}
