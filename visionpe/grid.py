@@ -14,12 +14,13 @@ Coordinate modes (SCHEMES.md §0):
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["COORD_MODES", "grid_coords", "prefix_mask", "validate_count", "validate_grid_size"]
+__all__ = ["COORD_MODES", "grid_coords", "prefix_mask", "validate_count", "validate_grid_size", "validate_positive"]
 
 COORD_MODES = ("index", "centered", "normalized", "ref_scaled")
 
@@ -34,6 +35,21 @@ def validate_count(value: int, name: str = "num_prefix_tokens") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
     return value
+
+
+def validate_positive(value: float, name: str) -> float:
+    """``value`` as a float if it is a positive finite number; TypeError naming ``name`` for a non-number (bool
+    included), ValueError for zero, negative, inf or NaN.
+
+    Example:
+        >>> validate_positive(2, "ratio")
+        2.0
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive finite number, got {type(value).__name__} ({value!r})")
+    if not 0 < value < math.inf:  # NaN fails too
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
 
 
 def validate_grid_size(grid_size: Sequence[int], name: str = "grid_size", ndims: Sequence[int] = (2, 3)) -> tuple:

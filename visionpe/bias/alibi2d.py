@@ -7,8 +7,9 @@ followed by every other slope of the 2 * 2^floor(log2 H) sequence.
 
 Memory: the per-forward state is one distance per grid offset, (2H - 1)(2W - 1) values; each block gathers the
 bias of the query rows it needs (all rows, or one chunk when attention runs in query chunks) through an offset
-index built from coordinate differences, so a large grid never holds an (N, N) map. Small grids
-(``full_state_max_tokens``) cache the full (N, N) int32 index once per forward instead.
+index built from coordinate differences, after scaling the table in fp32 and rounding it once to the activation
+dtype, so a large grid never holds an (N, N) map. Small grids (``full_state_max_tokens``) cache the full (N, N)
+int32 index once per forward instead.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import math
 
 import torch
 
-from ..base import BiasPositionEncoding
+from ..base import BiasPositionEncoding, check_model_shape
 from ..grid import grid_coords, validate_count, validate_grid_size
 from ..registry import register_scheme
-from .offsets import DistanceState, distance_state, gather_offsets, query_rows
+from .offsets import DistanceState, GlobalSlope, distance_state, gather_offsets, query_rows
 
 __all__ = ["Alibi2D", "alibi_slopes", "grid_distances"]
 
@@ -63,14 +64,8 @@ def grid_distances(
     return torch.nn.functional.pad(dist, (num_prefix_tokens, 0, num_prefix_tokens, 0))
 
 
-def _check_scale(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    return float(value)
-
-
 @register_scheme("alibi2d")
-class Alibi2D(BiasPositionEncoding):
+class Alibi2D(GlobalSlope, BiasPositionEncoding):
     """Fixed 2D ALiBi distance penalty.
 
     Args:
@@ -85,7 +80,8 @@ class Alibi2D(BiasPositionEncoding):
 
     def __init__(self, dim: int, num_heads: int, depth: int = 1, global_slope: float = 1.0) -> None:
         super().__init__()
-        self.global_slope = _check_scale("global_slope", global_slope)
+        check_model_shape(dim, num_heads, depth)
+        self.global_slope = global_slope  # checked by the setter
         self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)
 
     def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> DistanceState:
@@ -103,7 +99,11 @@ class Alibi2D(BiasPositionEncoding):
                 f"q and k must have shape (B, {self.slopes.numel()}, {num_rows}, head_dim) and "
                 f"(B, {self.slopes.numel()}, {n}, head_dim) for this grid, got q {tuple(q.shape)}, k {tuple(k.shape)}"
             )
-        slopes = (-self.global_slope * self.slopes).to(q.dtype)
-        # scale the (h, K + 1) table, then gather: the same products as scaling the gathered distances
-        table = slopes[:, None] * state.table.to(q.dtype)
+        # slopes and products in fp32 (fp64 for fp64 activations), one rounding to q's dtype at the end: casting the
+        # distances and the slopes first rounds three times (SCHEMES.md precision convention). Scale and round the
+        # (h, K + 1) table, then gather: the same values as scaling the gathered distances, without an fp32 (R, N)
+        # block.
+        compute = torch.promote_types(q.dtype, torch.float32)
+        slopes = (-self.global_slope * self.slopes).to(compute)
+        table = (slopes[:, None] * state.table.to(compute)).to(q.dtype)
         return gather_offsets(table, state.offset_index(query_rows(rows, n), range(n)))[None]

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..base import BiasPositionEncoding, check_model_shape
-from ..grid import validate_count, validate_grid_size
+from ..grid import validate_count, validate_grid_size, validate_positive
 from ..registry import register_scheme
 from .offsets import OffsetState, gather_offsets, offset_state, query_rows
 
@@ -43,14 +43,6 @@ __all__ = [
 IRPE_METHODS = ("euclidean", "quant", "cross", "product")
 IRPE_MODES = ("bias", "contextual")
 _MAX_CACHED_GRIDS = 8
-
-
-def _check_positive(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number, got {value}")
-    return float(value)
 
 
 def irpe_piecewise_index(rel: torch.Tensor, alpha: float, beta: float, gamma: float) -> torch.Tensor:
@@ -72,7 +64,7 @@ def irpe_piecewise_index(rel: torch.Tensor, alpha: float, beta: float, gamma: fl
     """
     if not isinstance(rel, torch.Tensor):
         raise TypeError(f"rel must be a torch.Tensor, got {type(rel).__name__}")
-    alpha, beta, gamma = (_check_positive(n, v) for n, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)))
+    alpha, beta, gamma = (validate_positive(v, n) for n, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)))
     if beta < alpha:
         raise ValueError(f"beta must be >= alpha, got alpha={alpha}, beta={beta}")
     if gamma <= alpha:
@@ -98,7 +90,7 @@ def irpe_num_buckets(method: str, ratio: float = 1.9, num_prefix_tokens: int = 0
         (49, 50)
     """
     _check_method(method)
-    ratio = _check_positive("ratio", ratio)
+    ratio = validate_positive(ratio, "ratio")
     validate_count(num_prefix_tokens)
     side = 2 * math.floor(2 * ratio) + 1
     count = {"euclidean": side, "quant": side, "cross": 2 * side, "product": side * side}[method]
@@ -128,7 +120,7 @@ def irpe_bucket_ids(
     """
     grid_size = validate_grid_size(grid_size, ndims=(2,))
     _check_method(method)
-    ratio = _check_positive("ratio", ratio)
+    ratio = validate_positive(ratio, "ratio")
     validate_count(num_prefix_tokens)
     state = offset_state(grid_size, num_prefix_tokens, device, 0)
     table = _bucket_table(state, method, ratio)
@@ -222,7 +214,7 @@ class IRPE(BiasPositionEncoding):
         check_model_shape(dim, num_heads, depth)
         validate_count(num_prefix_tokens)
         self.method, self.mode, self.on = method, mode, "".join(t for t in "qkv" if t in on_set)
-        self.ratio, self.shared_heads = _check_positive("ratio", ratio), bool(shared_heads)
+        self.ratio, self.shared_heads = validate_positive(ratio, "ratio"), bool(shared_heads)
         self.num_prefix_tokens, self.num_heads, self.head_dim = num_prefix_tokens, num_heads, dim // num_heads
         self.num_buckets = irpe_num_buckets(method, self.ratio, num_prefix_tokens)
         self.needs_probs = "v" in self.on

@@ -8,8 +8,8 @@ s_h = 1/2 (cardinal) or 1/4 (intercardinal). Prefix rows and columns are 0.
 
 Memory: whether j is in head h's view from i, and ||p_i - p_j||, depend only on the offset p_i - p_j, so the
 per-forward state is one (h, (2H - 1)(2W - 1)) table: the distance, or +inf outside the view. Each block scales
-it by its slopes and gathers the bias of the query rows it needs (all rows, or one chunk when attention runs in
-query chunks) in the activation dtype, so a large grid never holds an (N, N) map. Small grids
+it by its slopes in fp32, rounds it once to the activation dtype, and gathers the bias of the query rows it needs
+(all rows, or one chunk when attention runs in query chunks), so a large grid never holds an (N, N) map. Small grids
 (``full_state_max_tokens``) cache the full (N, N) offset index. Nothing is precomputed per layer or resolution.
 """
 
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import BiasPositionEncoding
-from ..grid import grid_coords, validate_grid_size
+from ..base import BiasPositionEncoding, check_model_shape
+from ..grid import grid_coords, validate_grid_size, validate_positive
 from ..registry import register_scheme
-from .offsets import OffsetState, distance_state, gather_offsets, query_rows
+from .offsets import GlobalSlope, OffsetState, distance_state, gather_offsets, query_rows
 
 __all__ = ["LookHere", "LookHereState", "LOOKHERE_VARIANTS", "lookhere_heads", "lookhere_fov_masks"]
 
@@ -132,12 +132,6 @@ def _check_fov(fov: float) -> float:
     return float(fov)
 
 
-def _check_positive(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    return float(value)
-
-
 @dataclass
 class LookHereState(OffsetState):
     """Per-forward LookHere state for one grid (see :class:`~visionpe.bias.offsets.OffsetState`).
@@ -150,7 +144,7 @@ class LookHereState(OffsetState):
 
 
 @register_scheme("lookhere")
-class LookHere(BiasPositionEncoding):
+class LookHere(GlobalSlope, BiasPositionEncoding):
     """LookHere directed attention masks with distance penalties, built per forward for the current grid.
 
     Args:
@@ -177,12 +171,13 @@ class LookHere(BiasPositionEncoding):
         undirected_slopes: str = "paper",
     ) -> None:
         super().__init__()
+        check_model_shape(dim, num_heads, depth)
         self.variant = variant
         self.directions, head_slopes = lookhere_heads(num_heads, variant, undirected_slopes)
-        self.global_slope = _check_positive("global_slope", global_slope)
+        self.global_slope = global_slope  # checked by the setter
         if not isinstance(layer_slopes, (tuple, list)) or len(layer_slopes) != 2:
             raise ValueError(f"layer_slopes must be a (first, last) pair, got {layer_slopes!r}")
-        first, last = (_check_positive(f"layer_slopes[{i}]", s) for i, s in enumerate(layer_slopes))
+        first, last = (validate_positive(s, f"layer_slopes[{i}]") for i, s in enumerate(layer_slopes))
         self.register_buffer("head_slopes", torch.tensor(head_slopes), persistent=False)
         self.register_buffer("layer_slopes", torch.linspace(first, last, depth), persistent=False)
         self.fov = {"180": 180.0, "90": 90.0, "45": 45.0}[variant]
@@ -213,8 +208,11 @@ class LookHere(BiasPositionEncoding):
             )
         if not 0 <= layer < self.layer_slopes.numel():
             raise ValueError(f"layer must be in [0, {self.layer_slopes.numel()}), got {layer}")
-        slopes = (-self.global_slope * self.layer_slopes[layer] * self.head_slopes).to(q.dtype)
-        # scale the small table, then gather: the same products as scaling gathered distances; outside the
-        # view +inf times a negative slope is -inf
-        table = state.penalty.to(q.dtype) * slopes[:, None]
+        # slopes and products in fp32 (fp64 for fp64 activations), one rounding to q's dtype at the end: casting the
+        # distances and the slopes first rounds three times (SCHEMES.md precision convention). Scale and round the
+        # small table, then gather: the same values as scaling gathered distances, without an fp32 (R, N) block.
+        # Outside the view +inf times a negative slope is -inf, which the cast keeps.
+        compute = torch.promote_types(q.dtype, torch.float32)
+        slopes = (-self.global_slope * self.layer_slopes[layer] * self.head_slopes).to(compute)
+        table = (state.penalty.to(compute) * slopes[:, None]).to(q.dtype)
         return gather_offsets(table, state.offset_index(selected, range(n)))[None]

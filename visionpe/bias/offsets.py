@@ -12,9 +12,35 @@ from dataclasses import dataclass
 
 import torch
 
-from ..grid import validate_count
+from ..grid import validate_count, validate_positive
 
-__all__ = ["DistanceState", "OffsetState", "distance_state", "gather_offsets", "offset_state", "query_rows"]
+__all__ = [
+    "DistanceState",
+    "GlobalSlope",
+    "OffsetState",
+    "distance_state",
+    "gather_offsets",
+    "offset_state",
+    "query_rows",
+]
+
+
+class GlobalSlope:
+    """Mixin for the distance-penalty schemes (LookHere, 2D ALiBi): ``global_slope``, s_g, which multiplies every
+    penalty and is tuned at test time on a built model (``scheme.global_slope = 0.95``).
+
+    A plain float, not a buffer (checkpoints load at any s_g), checked whenever it is set: 0 would turn LookHere's
+    +inf outside the view into NaN (inf * 0) and remove ALiBi's bias, a negative or NaN value would make distance
+    a reward or the logits NaN.
+    """
+
+    @property
+    def global_slope(self) -> float:
+        return self._global_slope
+
+    @global_slope.setter
+    def global_slope(self, value: float) -> None:
+        self._global_slope = validate_positive(value, "global_slope")
 
 
 def query_rows(rows: slice | None, total: int) -> range:
