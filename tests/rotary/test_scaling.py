@@ -91,6 +91,42 @@ def test_mixed_scales_each_component_and_model_switch():
     assert torch.allclose(freqs[..., 0, :], pi[..., 0, :] / 2) and torch.equal(freqs[..., 1, :], pi[..., 1, :])
 
 
+@pytest.mark.parametrize("mode", ["pi", "ntk", "yarn"])
+def test_mixed_with_axial_angles_scales_as_axial(mode):
+    """A4: axial RoPE is RoPE-Mixed with a = 0 frozen and base 100, so every mode must scale both alike. The init
+    formula at a = 0 leaves fp32 cos(pi / 2) = -4.4e-8 in the components that belong to the other axis; NTK's band
+    scale must not stretch to them (it did: the slowest real band was multiplied by 0.87 instead of 1 / s)."""
+    head_dim = 64
+    mag = 100.0 ** (-torch.arange(0, head_dim, 4, dtype=torch.float32) / head_dim)
+    a = torch.zeros(1, 1, 1)
+    f_x = torch.cat([mag * torch.cos(a), mag * torch.cos(a + math.pi / 2)], dim=-1)
+    f_y = torch.cat([mag * torch.sin(a), mag * torch.sin(a + math.pi / 2)], dim=-1)
+    assert 0 < f_x[..., 16:].abs().max() < 1e-7  # the fp32 residual this test is about
+    mixed = RopeMixed(head_dim, 1, base=100.0, grid_size=(14, 14), extrapolation=mode, yarn_alpha=0.5, yarn_beta=2.0)
+    with torch.no_grad():
+        mixed.freqs.copy_(torch.stack([f_x, f_y]))
+    axial = RopeAxial(head_dim, 1, base=100.0, grid_size=(14, 14), extrapolation=mode, yarn_alpha=0.5, yarn_beta=2.0)
+    torch.testing.assert_close(mixed.frequencies(), axial.frequencies(), atol=1e-7, rtol=0)
+    for grid in ((14, 28), (21, 14), (28, 42)):
+        (got, got_m), (expected, expected_m) = mixed.scaled_frequencies(grid), axial.scaled_frequencies(grid)
+        torch.testing.assert_close(got, expected, atol=1e-7, rtol=1e-6)
+        assert got_m == expected_m
+
+
+def test_ntk_on_mixed_pairs_keeps_each_axis_fastest_and_interpolates_its_slowest():
+    torch.manual_seed(0)
+    freqs = RopeMixed(384, 6, depth=2).frequencies().detach()  # (L, h, ndim, P), random angles per head
+    scaled = scale_frequencies(freqs, (2.0, 3.0), "ntk")
+    ratio = scaled / freqs
+    for axis, s in enumerate((2.0, 3.0)):
+        fastest = freqs[..., axis, :].abs().argmax(-1, keepdim=True)
+        torch.testing.assert_close(ratio[..., axis, :].gather(-1, fastest), torch.ones_like(fastest, dtype=ratio.dtype))
+        # the slowest pair of every head (rate over both axes) is a band NTK divides by exactly s on each axis
+        slowest = freqs.norm(dim=-2).argmin(-1, keepdim=True)
+        torch.testing.assert_close(ratio[..., axis, :].gather(-1, slowest), torch.full(slowest.shape, 1 / s))
+        assert ((ratio[..., axis, :] <= 1 + 1e-6) & (ratio[..., axis, :] >= 1 / s - 1e-6)).all()
+
+
 @pytest.mark.parametrize("name", ["string_cayley", "string_circulant"])
 def test_string_rope_part_scales(name):
     model = timm.create_model(

@@ -5,9 +5,13 @@ Train on grid (H0, W0), test on (H, W): per-axis factors s_a = max(1, n_a / n0_a
 - PI, Chen et al., "Extending Context Window of Large Language Models via Positional Interpolation", 2023:
   p_a -> p_a / s_a, i.e. every frequency of axis a divided by s_a.
 - NTK-aware (formalised in the YaRN paper): base b' = b * s^(D/(D-2)), i.e. theta_n -> theta_n * s^(-n/(n_a-1)).
-  For a general (learned) spectrum the band index is read from the frequency itself,
-  rho = log(theta_max / theta) / log(theta_max / theta_min) per axis, layer and head: theta -> theta * s^-rho.
-  The highest band is kept, the lowest is divided by exactly s.
+  For a general (learned) spectrum the band index is read from the frequency itself, per axis, layer and head:
+  rho = clamp(log(theta_max / theta) / log(theta_max / |f|_min), 0, 1), theta -> theta * s^-rho, where theta_max
+  is the axis' fastest frequency and |f|_min the slowest rate of a pair that uses the axis (its rate over all
+  axes). The highest band is kept, the lowest is divided by exactly s. With one axis per pair (axial RoPE) the
+  rates are the frequencies themselves; when pairs mix axes (RoPE-Mixed), a component slower than every pair is
+  interpolated fully, and a near-zero component (cos(pi/2) in fp32) cannot stretch the scale: RoPE-Mixed with
+  its angles set to axial RoPE's gets axial RoPE's NTK rule.
 - YaRN, Peng et al., "YaRN: Efficient Context Window Extension of Large Language Models", ICLR 2024:
   r = L_a * theta / (2 pi) with L_a the training grid length, gamma = clamp((r - alpha) / (beta - alpha), 0, 1),
   theta' = (1 - gamma) theta / s_a + gamma theta, and cos/sin multiplied by 0.1 ln s + 1 (s = max_a s_a).
@@ -100,6 +104,7 @@ def scale_frequencies(
     if mode == "none" or all(s <= 1 for s in factors):
         return freqs
     rows = []
+    rates = freqs.detach().norm(dim=-2)  # (..., P): each pair's rate over all axes, NTK's scale of bands
     for axis, s in enumerate(factors):
         f = freqs[..., axis, :]
         if s <= 1:
@@ -112,10 +117,11 @@ def scale_frequencies(
         used = mag > 0
         if mode == "ntk":
             hi = torch.where(used, mag, torch.zeros_like(mag)).amax(-1, keepdim=True)
-            lo = torch.where(used, mag, torch.full_like(mag, float("inf"))).amin(-1, keepdim=True)
+            lo = torch.where(used, rates, torch.full_like(rates, float("inf"))).amin(-1, keepdim=True)
             span = torch.log(hi / lo)
-            # the band position in [0, 1]: 0 for the highest frequency, 1 for the lowest
-            rho = torch.where(used & (span > 0), torch.log(hi / mag.clamp_min(1e-30)) / span, torch.zeros_like(mag))
+            # the band position in [0, 1]: 0 for the axis' fastest component, 1 at (or below) the slowest pair's rate
+            rho = (torch.log(hi / mag.clamp_min(1e-30)) / span).clamp(0.0, 1.0)
+            rho = torch.where(used & (span > 0), rho, torch.zeros_like(mag))
             rows.append(f * s ** (-rho))
         else:
             ratio = train_grid_size[axis] * mag / (2 * math.pi)
