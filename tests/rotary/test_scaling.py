@@ -40,6 +40,47 @@ def test_ntk_keeps_first_band_and_scales_last_by_one_over_s():
     assert torch.equal(scaled[0], freqs[0])  # y is not scaled
 
 
+def test_ntk_per_axis_in_3d_with_unequal_pair_counts():
+    """Video: t has fewer pairs than y and x; each axis gets its own base b_a' = b s_a^(D_a / (D_a - 2))."""
+    pairs = {"x": 12, "y": 12, "t": 8}
+    freqs = axial_frequencies(64, 100.0, (pairs["x"], pairs["y"], pairs["t"]))  # rows (t, y, x)
+    factors = {"t": 2.0, "y": 1.5, "x": 3.0}
+    scaled = scale_frequencies(freqs, (factors["t"], factors["y"], factors["x"]), "ntk").double()
+    for row, axis in enumerate(("t", "y", "x")):
+        n, s = pairs[axis], factors[axis]
+        used = freqs[row] != 0
+        assert int(used.sum()) == n and torch.equal(scaled[row][~used], torch.zeros(64 // 2 - n, dtype=torch.float64))
+        new_base = 100.0 * s ** (2 * n / (2 * n - 2))
+        expected = new_base ** (-torch.arange(n, dtype=torch.float64) / n)
+        torch.testing.assert_close(scaled[row][used], expected, rtol=1e-5, atol=0)
+        assert float(scaled[row][used][-1]) == pytest.approx(float(freqs[row][used][-1]) / s, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["rope_axial", "rope_mixed"])
+def test_video_model_scales_the_time_axis_of_a_longer_clip(name):
+    # the video ViT's training grid is (T', H', W'); a clip twice as long scales t only, here by PI: t -> t / 2
+    model = timm.create_model(
+        "visionpe_video_vit_tiny_tubelet2x16", pos_embed=name, depth=1, img_size=32, num_frames=4
+    ).eval()
+    scheme = model.pos_schemes[name]
+    assert scheme.train_grid_size == (2, 2, 2)
+    clip = torch.randn(1, 3, 8, 32, 32)  # (T', H', W') = (4, 2, 2)
+    coords = grid_coords((4, 2, 2))
+    with torch.no_grad():
+        plain = model(clip)
+        set_extrapolation(model, "pi")
+        scaled = scheme.prepare(coords, 1, (4, 2, 2))
+        by_hand = scheme.prepare(coords / torch.tensor([2.0, 1.0, 1.0]), 1, (2, 2, 2))
+        for a, b in zip(scaled, by_hand, strict=True):
+            if isinstance(a, torch.Tensor):
+                torch.testing.assert_close(a, b)
+        assert not torch.allclose(model(clip), plain)
+        set_extrapolation(model, "ntk")  # per-axis factors (2, 1, 1): y and x tables unchanged
+        freqs, _ = scheme.scaled_frequencies((4, 2, 2))
+        torch.testing.assert_close(freqs[..., 1:, :], scheme.frequencies()[..., 1:, :])
+        assert not torch.allclose(freqs[..., 0, :], scheme.frequencies()[..., 0, :])
+
+
 def test_yarn_band_rules():
     freqs = axial_frequencies(64, 100.0, (16, 16))
     alpha, beta, s, length = 0.5, 1.5, 2.0, 14
