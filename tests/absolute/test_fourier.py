@@ -17,6 +17,15 @@ def test_pre_mlp_kernel_depends_only_on_difference(pos_dim):
     torch.testing.assert_close(kernel, expected)
 
 
+@pytest.mark.parametrize("gamma", [0.1, 0.25, 2.0])
+def test_frequency_init_is_normal_with_std_one_over_gamma(gamma):
+    torch.manual_seed(0)
+    freqs = LearnableFourierFeatures(2, 16, fourier_dim=1024, gamma=gamma).freqs.detach()  # W_r, (|F| / 2, M)
+    assert freqs.shape == (512, 2)
+    assert float(freqs.mean()) == pytest.approx(0.0, abs=0.1 / gamma)  # 1024 draws: the std of the mean is 0.03 / gamma
+    assert float(freqs.std()) == pytest.approx(1 / gamma, rel=0.06)  # and of the std about 2%
+
+
 def test_groups_apply_one_mlp_per_group_and_concatenate():
     torch.manual_seed(0)
     lff = LearnableFourierFeatures(2, 12, num_groups=2, fourier_dim=8, hidden_dim=16)
