@@ -160,3 +160,37 @@ def test_model_forward_backward(size, bf16):
     out.float().sum().backward()
     assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
     assert not list(model.pos_schemes.parameters())  # nothing learned
+
+
+def test_checkpoint_head_layout_overrides_the_defaults():
+    """A released checkpoint's own head order and slopes: per-head directions and s_h given explicitly."""
+    q = torch.zeros(1, 12, 13, 8)
+    default = LookHere(96, 12, variant="90")
+    state = default.prepare((3, 4), 1)
+    # LH-90 as trained with s_h = 1/2 for all eight directed heads (the default gives 1/4 to the intercardinal ones)
+    slopes = [0.5] * 8 + default.head_slopes[8:].tolist()
+    half = LookHere(96, 12, variant="90", head_slopes=slopes)
+    assert half.directions == default.directions
+    ref, got = default.attn_bias(q, q, state, 0), half.attn_bias(q, q, state, 0)
+    torch.testing.assert_close(got[:, :4], ref[:, :4])
+    finite = torch.isfinite(ref[:, 4:8])
+    assert torch.equal(finite, torch.isfinite(got[:, 4:8]))
+    torch.testing.assert_close(got[:, 4:8][finite], 2 * ref[:, 4:8][finite])
+    # another head order: the same views and slopes, permuted
+    order = [3, 2, 1, 0, 7, 6, 5, 4, 8, 9, 10, 11]
+    permuted = LookHere(
+        96,
+        12,
+        variant="90",
+        directions=[default.directions[h] for h in order],
+        head_slopes=[float(default.head_slopes[h]) for h in order],
+    )
+    torch.testing.assert_close(permuted.attn_bias(q, q, permuted.prepare((3, 4), 1), 0), ref[:, order])
+    for kwargs, match in (
+        ({"directions": [0.0] * 11}, "directions must list one angle"),
+        ({"directions": [0.0] * 11 + ["up"]}, "directions must be a list of angles"),
+        ({"head_slopes": [0.5] * 13}, "head_slopes must list one slope per head"),
+        ({"head_slopes": [0.5] * 11 + [0.0]}, r"head_slopes\[11\] must be a positive finite number"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            LookHere(96, 12, variant="90", **kwargs)

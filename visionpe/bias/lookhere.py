@@ -154,6 +154,10 @@ class LookHere(GlobalSlope, BiasPositionEncoding):
             224/320/384/448/512/768/1024 px); change it on a trained model with ``scheme.global_slope = 0.95``.
         layer_slopes: (first, last) of s_l = linspace(first, last, depth).
         undirected_slopes: ``paper`` (1/2, 1/8, ...) or ``released`` (1/4, 1/16, ...), the released code's values.
+        directions, head_slopes: per-head view directions (degrees, x right, y down; None for an undirected head)
+            and slopes s_h, one per head, in place of the defaults of :func:`lookhere_heads`: a checkpoint's own
+            head layout (e.g. LH-90 trained with s_h = 1/2 for every directed head, or another head order) is
+            reproduced by passing its config. Either may be given alone.
     """
 
     ndims = (2,)
@@ -169,16 +173,27 @@ class LookHere(GlobalSlope, BiasPositionEncoding):
         global_slope: float = 1.0,
         layer_slopes: tuple[float, float] = (1.5, 0.5),
         undirected_slopes: str = "paper",
+        directions: Sequence[float | None] | None = None,
+        head_slopes: Sequence[float] | None = None,
     ) -> None:
         super().__init__()
         check_model_shape(dim, num_heads, depth)
         self.variant = variant
-        self.directions, head_slopes = lookhere_heads(num_heads, variant, undirected_slopes)
+        self.directions, slopes = lookhere_heads(num_heads, variant, undirected_slopes)
+        if directions is not None:
+            if not isinstance(directions, (list, tuple)) or len(directions) != num_heads:
+                raise ValueError(f"directions must list one angle (or None) per head, {num_heads}, got {directions!r}")
+            lookhere_fov_masks((1, 1), directions, 180.0)  # its check of every entry
+            self.directions = [None if d is None else float(d) for d in directions]
+        if head_slopes is not None:
+            if not isinstance(head_slopes, (list, tuple)) or len(head_slopes) != num_heads:
+                raise ValueError(f"head_slopes must list one slope per head, {num_heads}, got {head_slopes!r}")
+            slopes = [validate_positive(v, f"head_slopes[{h}]") for h, v in enumerate(head_slopes)]
         self.global_slope = global_slope  # checked by the setter
         if not isinstance(layer_slopes, (tuple, list)) or len(layer_slopes) != 2:
             raise ValueError(f"layer_slopes must be a (first, last) pair, got {layer_slopes!r}")
         first, last = (validate_positive(s, f"layer_slopes[{i}]") for i, s in enumerate(layer_slopes))
-        self.register_buffer("head_slopes", torch.tensor(head_slopes), persistent=False)
+        self.register_buffer("head_slopes", torch.tensor(slopes), persistent=False)
         self.register_buffer("layer_slopes", torch.linspace(first, last, depth), persistent=False)
         self.fov = {"180": 180.0, "90": 90.0, "45": 45.0}[variant]
 
