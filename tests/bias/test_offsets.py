@@ -83,3 +83,16 @@ def test_half_precision_bias_is_the_fp32_bias_rounded_once(name, dtype):
             bias = scheme.attn_bias(q32.to(dtype), k32.to(dtype), state, layer, rows)
             assert bias.dtype == dtype and torch.equal(bias, expected)
             assert torch.isneginf(bias).any() == (name == "lookhere")
+
+
+@pytest.mark.parametrize("name", sorted(PENALTIES))
+def test_slopes_stay_fp32_in_a_half_precision_model(name):
+    # model.to(bfloat16) would round the slopes (e.g. s_l = linspace(1.5, 0.5, 12)) before the fp32 product
+    reference, scheme = PENALTIES[name](0.6), PENALTIES[name](0.6).to(torch.bfloat16)
+    assert all(buf.dtype == torch.float32 for buf in scheme.buffers())
+    state = scheme.prepare((5, 7), 1)
+    q = torch.zeros(1, 6, 36, 12)
+    for layer in (0, 5):
+        expected = reference.attn_bias(q, q, state, layer).to(torch.bfloat16)
+        assert torch.equal(scheme.attn_bias(q.bfloat16(), q.bfloat16(), state, layer), expected)
+    assert all(buf.dtype == torch.float64 for buf in PENALTIES[name](0.6).double().buffers())

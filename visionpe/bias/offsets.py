@@ -31,12 +31,22 @@ class GlobalSlope:
 
     A plain float, not a buffer (checkpoints load at any s_g), checked whenever it is set: 0 would turn LookHere's
     +inf outside the view into NaN (inf * 0) and remove ALiBi's bias, a negative or NaN value would make distance
-    a reward or the logits NaN.
+    a reward or the logits NaN. The schemes' slope buffers stay fp32 when the model is cast to half precision.
     """
 
     @property
     def global_slope(self) -> float:
         return self._global_slope
+
+    def _apply(self, fn, *args, **kwargs):
+        # model.to(bfloat16) casts every floating buffer: the slope buffers (head, layer) stay fp32, where the bias
+        # is computed before its one rounding to the activation dtype (fp32 copies moved to the new device)
+        kept = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.is_floating_point()}
+        module = super()._apply(fn, *args, **kwargs)
+        for name, buf in self._buffers.items():
+            if name in kept and torch.finfo(buf.dtype).bits < 32:
+                self._buffers[name] = kept[name].to(device=buf.device, dtype=torch.float32)
+        return module
 
     @global_slope.setter
     def global_slope(self, value: float) -> None:
