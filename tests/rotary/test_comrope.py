@@ -100,6 +100,7 @@ def test_bad_input():
         ({"init_std": float("nan")}, "init_std must be a finite non-negative number, got nan"),
         ({"init_std": -0.5}, "init_std must be a finite non-negative number, got -0.5"),
         ({"init_std": "1"}, "init_std must be a finite non-negative number, got '1'"),
+        ({"rotate_prefix": "no"}, "rotate_prefix must be a bool, got 'no'"),
     ],
 )
 def test_bad_construction(cls, kwargs, match):

@@ -80,6 +80,8 @@ class ComRoPEBase(LieBlockRotary):
             raise ValueError("pos_norm='train_grid' needs grid_size (the training grid), got None")
         if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not 0 <= init_std < math.inf:
             raise ValueError(f"init_std must be a finite non-negative number, got {init_std!r}")
+        if not isinstance(rotate_prefix, bool):  # bool("no") is True
+            raise ValueError(f"rotate_prefix must be a bool, got {rotate_prefix!r}")
         self.pos_norm = pos_norm
         super().__init__(dim, num_heads, depth, block_size, ndim, grid_size, extrapolation)
         self.rotate_prefix, self.init_std = bool(rotate_prefix), float(init_std)
