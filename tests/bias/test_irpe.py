@@ -229,3 +229,26 @@ def test_model_forward_backward(size, bf16, kwargs):
     for name, param in model.pos_schemes.named_parameters():
         assert param.grad is not None and param.grad.abs().sum() > 0, name
     assert "pos_schemes.irpe.tables.k" in model.no_weight_decay()
+
+
+def test_model_defaults_are_the_papers_deit_setting_with_registers():
+    """Product, contextual, on keys, ratio 1.9, heads shared: one (head_dim, 49 + 1) key table per block. Register
+    tokens are prefix tokens like cls: all their pairs read the one extra bucket."""
+    torch.manual_seed(0)
+    model = timm.create_model("visionpe_vit_small_patch16_224", pos_embed="irpe", depth=2, reg_tokens=4)
+    scheme = model.pos_schemes["irpe"]
+    assert (scheme.method, scheme.mode, scheme.on, scheme.ratio, scheme.shared_heads) == (
+        "product",
+        "contextual",
+        "k",
+        1.9,
+        True,
+    )
+    assert list(scheme.tables) == ["k"] and scheme.tables["k"].shape == (2, 1, 64, 50)
+    state = scheme.prepare((14, 14), model.num_prefix_tokens)
+    ids = state.flat % 50  # flat[i, j] = i * n_b + I(i, j)
+    assert (ids[:5] == 49).all() and (ids[:, :5] == 49).all() and (ids[5:, 5:] < 49).all()
+    torch.nn.init.normal_(scheme.tables["k"], std=0.02)
+    out = model(torch.randn(1, 3, 224, 224))
+    out.sum().backward()
+    assert torch.isfinite(out).all() and scheme.tables["k"].grad.abs().sum() > 0

@@ -39,6 +39,45 @@ def test_field_of_view_directions_on_non_square_grid():
     assert right[query].reshape(3, 5)[2, 3] and down[query].reshape(3, 5)[2, 3]
 
 
+def _released_masks(grid: tuple[int, int]) -> dict[str, list[torch.Tensor]]:
+    """The released code's directed views as closed sets of offsets (dx, dy) = p_j - p_i, y down, boundary rays
+    included: half-planes, the 90-degree triangles around an axis, and their intersections (corners, eighths), in
+    visionpe's default head order (right, down, left, up; then down-right, down-left, up-left, up-right)."""
+    rows, cols = grid
+    y, x = torch.arange(rows * cols) // cols, torch.arange(rows * cols) % cols
+    dy, dx = y[None] - y[:, None], x[None] - x[:, None]
+    half = {"right": dx >= 0, "down": dy >= 0, "left": dx <= 0, "up": dy <= 0}
+    tri = {"right": dy.abs() <= dx, "down": dx.abs() <= dy, "left": dy.abs() <= -dx, "up": dx.abs() <= -dy}
+    axes, corners = (
+        ("right", "down", "left", "up"),
+        (("down", "right"), ("down", "left"), ("up", "left"), ("up", "right")),
+    )
+    return {
+        "180": [half[a] for a in axes] + [tri[a] | tri[b] for a, b in corners],  # halves, then diagonals
+        "90": [tri[a] for a in axes] + [half[a] & half[b] for a, b in corners],  # triangles, then corners
+        # each LH-90 triangle cut in two along its axis: -22.5 / 22.5 around right, 67.5 / 112.5 around down, ...
+        "45": [
+            tri["right"] & half["up"],
+            tri["right"] & half["down"],
+            tri["down"] & half["right"],
+            tri["down"] & half["left"],
+            tri["left"] & half["down"],
+            tri["left"] & half["up"],
+            tri["up"] & half["left"],
+            tri["up"] & half["right"],
+        ],
+    }
+
+
+@pytest.mark.parametrize("variant, fov", [("180", 180.0), ("90", 90.0), ("45", 45.0)])
+def test_default_views_are_the_released_masks_boundaries_included(variant, fov):
+    grid = (5, 7)  # non-square, so that every ray crosses cells at several offsets
+    directions, _ = lookhere_heads(12, variant)
+    masks = lookhere_fov_masks(grid, directions[:8], fov)
+    for head, expected in enumerate(_released_masks(grid)[variant]):
+        assert torch.equal(masks[head], expected), (variant, head, directions[head])
+
+
 def test_bias_values_prefix_and_undirected_heads():
     lh = LookHere(72, 6, depth=4, global_slope=0.8)
     state = lh.prepare((4, 6), 1)
