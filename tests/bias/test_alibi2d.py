@@ -28,7 +28,7 @@ def test_bias_is_minus_slope_times_distance_symmetric_and_prefix_zero():
     torch.testing.assert_close(bias[:, 1:, 1:], expected)
 
 
-def test_bias_depends_only_on_offset():
+def test_grid_distances_depend_only_on_offset():
     dist = grid_distances((4, 6)).reshape(4, 6, 4, 6)
     torch.testing.assert_close(dist[1:, 1:, 1:, 1:], dist[:-1, :-1, :-1, :-1])
     torch.testing.assert_close(dist[2:, :-3, 2:, :-3], dist[:-2, 3:, :-2, 3:])

@@ -96,3 +96,21 @@ def test_slopes_stay_fp32_in_a_half_precision_model(name):
         expected = reference.attn_bias(q, q, state, layer).to(torch.bfloat16)
         assert torch.equal(scheme.attn_bias(q.bfloat16(), q.bfloat16(), state, layer), expected)
     assert all(buf.dtype == torch.float64 for buf in PENALTIES[name](0.6).double().buffers())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        *(lambda v=v: LookHere(144, 12, depth=2, variant=v) for v in ("180", "90", "45")),  # 8 directed views each
+        lambda: Alibi2D(144, 12, depth=2),
+    ],
+    ids=["lookhere180", "lookhere90", "lookhere45", "alibi2d"],
+)
+def test_penalty_bias_depends_only_on_offset(make):
+    # translation equivariance of the model path (attn_bias over a whole non-square grid), every head
+    scheme = make()
+    q = torch.zeros(1, 12, 30, 12)
+    bias = scheme.attn_bias(q, q, scheme.prepare((5, 6), 0), 1)[0].reshape(12, 5, 6, 5, 6)
+    torch.testing.assert_close(bias[:, 1:, 1:, 1:, 1:], bias[:, :-1, :-1, :-1, :-1])
+    torch.testing.assert_close(bias[:, 2:, :-1, 2:, :-1], bias[:, :-2, 1:, :-2, 1:])
+    assert torch.isfinite(bias[8:]).all()  # undirected (LookHere) and ALiBi heads see every key
