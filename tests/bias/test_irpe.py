@@ -252,3 +252,15 @@ def test_model_defaults_are_the_papers_deit_setting_with_registers():
     out = model(torch.randn(1, 3, 224, 224))
     out.sum().backward()
     assert torch.isfinite(out).all() and scheme.tables["k"].grad.abs().sum() > 0
+
+
+def test_combines_with_learned_ape_as_the_papers_deit_models():
+    # iRPE's DeiT models keep their learnable absolute table: both schemes in one model, both trained
+    torch.manual_seed(0)
+    model = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=["learned", "irpe"], depth=2)
+    assert [m.kind for m in model.pos_schemes.values()] == ["absolute", "bias"]
+    torch.nn.init.normal_(model.pos_schemes["irpe"].tables["k"], std=0.02)
+    out = model(torch.randn(1, 3, 224, 224))
+    out.sum().backward()
+    for name, param in model.pos_schemes.named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
