@@ -5,6 +5,9 @@ e_ij = (q_i k_j + b_ij) / sqrt(d), with b_ij = r_{I(i,j)} (bias mode) or q_i r^K
 piecewise index g(x) = round(x) if |x| <= alpha, else sign(x) min(beta, round(alpha + ln(|x|/alpha) /
 ln(gamma/alpha) (beta - alpha))), alpha:beta:gamma = r:2r:8r, applied to the (row, col) offset by one of four
 methods (euclidean, quant, cross, product). Pairs involving a prefix token read one extra bucket.
+As in the reference code, q is scaled by 1/sqrt(d) before the contextual products, and the bias-mode scalar
+r_{I(i,j)} is added to the logits as it is (not divided by sqrt(d)); the bias-mode q term reads bucket I(j, i)
+(the reference's key-side lookup, transposed), so its tables load unchanged.
 
 Computed bucket-first, without the authors' CUDA op: Z = q R^K is (B, h, N, n_buckets), then b_ij =
 Z[i, I(i,j)] is a gather by the bucket map. The value term scatter-adds the attention probabilities into bucket
