@@ -118,12 +118,16 @@ def lookhere_fov_masks(
     """
     grid_size = validate_grid_size(grid_size, ndims=(2,))
     fov = _check_fov(fov)
+    _check_directions(directions)
+    dy, dx = _offsets(grid_size, device)
+    return torch.stack([_fov_mask(dy, dx, d, fov) for d in directions])
+
+
+def _check_directions(directions: Sequence[float | None]) -> None:
     if not isinstance(directions, (list, tuple)) or not all(
         d is None or (isinstance(d, (int, float)) and not isinstance(d, bool)) for d in directions
     ):
         raise ValueError(f"directions must be a list of angles in degrees or None, got {directions!r}")
-    dy, dx = _offsets(grid_size, device)
-    return torch.stack([_fov_mask(dy, dx, d, fov) for d in directions])
 
 
 def _check_fov(fov: float) -> float:
@@ -183,7 +187,7 @@ class LookHere(GlobalSlope, BiasPositionEncoding):
         if directions is not None:
             if not isinstance(directions, (list, tuple)) or len(directions) != num_heads:
                 raise ValueError(f"directions must list one angle (or None) per head, {num_heads}, got {directions!r}")
-            lookhere_fov_masks((1, 1), directions, 180.0)  # its check of every entry
+            _check_directions(directions)
             self.directions = [None if d is None else float(d) for d in directions]
         if head_slopes is not None:
             if not isinstance(head_slopes, (list, tuple)) or len(head_slopes) != num_heads:
