@@ -1,4 +1,4 @@
-"""Extrapolation sweep: accuracy at resolutions (or clip lengths) a model never saw, as a table, CSV and plot.
+r"""Extrapolation sweep: accuracy at resolutions (or clip lengths) a model never saw, as a table, CSV and plot.
 
 Evaluate trained checkpoints:
 
@@ -12,7 +12,11 @@ Train each scheme from a config, then sweep (what ``scripts/run.sh`` does on the
 
 The data module of the config provides ``eval_dataloader(size)`` (timm's eval transform at that size, or clips of
 that many frames). ``--extrapolation`` adds a row per rotary model and mode, switched with
-``visionpe.set_extrapolation`` after training (no retraining). Importable: ``from extrapolate import main``.
+``visionpe.set_extrapolation`` after training (no retraining). A checkpoint is evaluated on the held-out split it
+was trained with (its data module's seed and train fraction) and reported under its own seed, in a row labelled by
+its scheme and its path. Arguments are checked before anything trains: repeated values, test sizes that the data or
+a model refuses (one sample of each size goes through every model), modes that no model takes.
+Importable: ``from extrapolate import main``.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--references", nargs="*", default=[], choices=sorted(REFERENCE_MODELS), help="timm models trained alike"
     )
     parser.add_argument("--sizes", nargs="+", type=int, default=None, help="test sizes (default: the data's)")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument(
+        "--seeds", nargs="+", type=int, default=[0], help="seeds of the trained runs (checkpoints keep their own)"
+    )
     parser.add_argument("--extrapolation", nargs="+", default=["none"], help="none pi ntk yarn")
     parser.add_argument("--max-epochs", type=int, default=None, help="override trainer.max_epochs")
     parser.add_argument(

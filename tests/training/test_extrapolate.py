@@ -180,3 +180,83 @@ def test_scheme_options_in_overrides_reach_the_sweep(monkeypatch):
     # a scheme that does not take the options fails before any run trains
     with pytest.raises(ValueError, match=r"liere got unknown option\(s\) \['pos_norm'\]"):
         experiments.run_sweep(DIGITS, schemes=["comrope_ld", "liere"], overrides=options)
+
+
+QUICK = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--trainer.limit_val_batches=1"]
+
+
+def _checkpoint(out_dir, run_args, seed, *extra):
+    """A finished run of one training step: out_dir / final.ckpt."""
+    from visionpe.training.experiments import FINAL_CHECKPOINT, train_from_config
+
+    seed_args = [f"--seed_everything={seed}", f"--model.seed={seed}", f"--data.init_args.seed={seed}"]
+    args = [*run_args, *seed_args, "--trainer.max_steps=1", "--data.init_args.train_subset=64", *QUICK, *extra]
+    train_from_config(DIGITS, args, out_dir)
+    return str(out_dir / FINAL_CHECKPOINT)
+
+
+def test_checkpoints_are_evaluated_on_their_own_split(tmp_path, monkeypatch):
+    """A checkpoint is scored on the held-out split it was trained with (its data module's seed and train_fraction,
+    not the config's: with the config's split a seed-1 model is scored largely on its own training digits), under
+    its own seed, and in a row of its own: two runs of one scheme with the same file name, and timm's models by
+    their reference label rather than the config's unused pos_embed."""
+    from visionpe.training import experiments
+    from visionpe.training.experiments import reference_args
+
+    paths = [
+        _checkpoint(tmp_path / "a", ["--model.pos_embed=rope_axial"], 1, "--data.init_args.train_fraction=0.9"),
+        _checkpoint(tmp_path / "b", ["--model.pos_embed=rope_axial"], 2),
+        _checkpoint(tmp_path / "c", reference_args("timm_ape"), 0),
+    ]
+    evaluated = {}
+    real_sweep = experiments.sweep
+
+    def spy(models, loader_for_size, sizes, seed=0, device="cpu"):
+        datamodule = loader_for_size.__self__
+        for label in models:
+            evaluated[label] = (seed, datamodule.seed, datamodule.train_fraction)
+        return real_sweep(models, loader_for_size, sizes, seed=seed, device=device)
+
+    monkeypatch.setattr(experiments, "sweep", spy)
+    report = experiments.run_sweep(DIGITS, checkpoints=paths, sizes=[32], out_dir=tmp_path / "out")
+    assert evaluated == {
+        "rope_axial (a/final.ckpt)": (1, 1, 0.9),
+        "rope_axial (b/final.ckpt)": (2, 2, 0.8),
+        "timm APE ViT (c/final.ckpt)": (0, 0, 0.8),
+    }
+    rows = list(csv.DictReader(report["csv"].open()))
+    assert [(r["model"], r["seed"]) for r in rows] == [(label, str(s)) for label, (s, _, _) in evaluated.items()]
+    with pytest.raises(ValueError, match="checkpoints .* must not repeat"):  # one file under two names
+        experiments.run_sweep(DIGITS, checkpoints=[paths[0], str(tmp_path / "b" / ".." / "a" / "final.ckpt")])
+    with pytest.raises(ValueError, match="checkpoints must be existing files"):
+        experiments.run_sweep(DIGITS, checkpoints=[str(tmp_path / "missing.ckpt")])
+
+
+def test_sweep_arguments_are_checked_before_training(monkeypatch):
+    """Repeated values (a repeated seed or size would be averaged as a second replicate), sizes the data or a model
+    refuses, a bad epoch count and a mode that no model takes all fail before the first run trains."""
+    from visionpe.training import experiments
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a run trained before the arguments were checked")
+
+    monkeypatch.setattr(experiments, "train_from_config", no_training)
+    sweep = experiments.run_sweep
+    for name, value in (("seeds", [0, 0]), ("sizes", [32, 48, 32]), ("extrapolation", ["none", "none"])):
+        with pytest.raises(ValueError, match=rf"{name} must not repeat a value, got .* \(repeated: "):
+            sweep(DIGITS, schemes=["rope_axial"], **{name: value})
+    with pytest.raises(ValueError, match="schemes must not repeat a value"):
+        sweep(DIGITS, schemes=["rope_axial", "learned", "rope_axial"])
+    with pytest.raises(ValueError, match=r"sizes must be positive ints, got \[32, 0\]"):
+        sweep(DIGITS, schemes=["rope_axial"], sizes=[32, 0])
+    with pytest.raises(ValueError, match=r"seeds must be non-negative ints, got \[-1\]"):
+        sweep(DIGITS, schemes=["rope_axial"], seeds=[-1])
+    with pytest.raises(ValueError, match="test size 30 does not work for rope_axial: .*not divisible by the patch"):
+        sweep(DIGITS, schemes=["rope_axial", "learned"], sizes=[32, 30])
+    with pytest.raises(ValueError, match="test size 30 does not work for timm APE ViT"):
+        sweep(DIGITS, references=["timm_ape"], sizes=[30])
+    for epochs in (-1, 0, 1.5):
+        with pytest.raises(ValueError, match=rf"max_epochs must be None or a positive int, got {epochs}"):
+            sweep(DIGITS, schemes=["rope_axial"], max_epochs=epochs)
+    with pytest.raises(ValueError, match=r"mode 'ntk' is accepted by none of the models \['learned', 'liere'\]"):
+        sweep(DIGITS, schemes=["learned", "liere"], extrapolation=["none", "ntk"])

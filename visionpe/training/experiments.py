@@ -7,7 +7,9 @@ seed and output folder overridden; then every model is evaluated at every size o
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -64,14 +66,6 @@ def train_from_config(config: str | Path, overrides: Sequence[str], out_dir: str
     return cli.model.eval(), cli.datamodule
 
 
-def _check_runs(config: str | Path, runs: Sequence[Sequence[str]]) -> bool:
-    """Build every run's model and data module once, before any training, so that an option a scheme does not
-    take fails in seconds, not after the runs before it trained; returns whether the data module has a ``seed``
-    argument (the digits do; an ImageFolder does not)."""
-    datamodules = [run_cli(args=["--config", str(config), *args], run=False).datamodule for args in runs]
-    return "seed" in inspect.signature(type(datamodules[0]).__init__).parameters
-
-
 def _scalable(model: torch.nn.Module) -> list[Extrapolation]:
     """The schemes of ``model`` that :func:`~visionpe.set_extrapolation` switches (every rotary scheme)."""
     return [m for m in model.modules() if isinstance(m, Extrapolation)]
@@ -85,6 +79,112 @@ def accepts_extrapolation(model: torch.nn.Module, mode: str) -> bool:
         return True
     schemes = _scalable(model)
     return bool(schemes) and all(mode in s.accepted_extrapolation() for s in schemes)
+
+
+def _check_distinct(name: str, values: Sequence) -> list:
+    """``values`` as a list; a value given twice would be counted twice (a repeated seed as a second replicate)."""
+    values = list(values)
+    repeated = sorted({str(v) for v in values if values.count(v) > 1})
+    if repeated:
+        raise ValueError(f"{name} must not repeat a value, got {values} (repeated: {repeated})")
+    return values
+
+
+def _check_sweep_args(seeds, sizes, max_epochs) -> None:
+    for name, values in (("seeds", seeds), ("sizes", sizes or ())):
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= (name == "sizes") for v in values):
+            minimum = "positive" if name == "sizes" else "non-negative"
+            raise ValueError(f"{name} must be {minimum} ints, got {list(values)}")
+    if not seeds:
+        raise ValueError("seeds must name at least one seed, got []")
+    if max_epochs is not None and (not isinstance(max_epochs, int) or isinstance(max_epochs, bool) or max_epochs < 1):
+        raise ValueError(f"max_epochs must be None or a positive int, got {max_epochs!r}")
+
+
+def _checkpoint_label(hparams: dict) -> str:
+    """What a checkpoint's model is: its scheme(s) for a visionpe model, the reference row's label (or the timm
+    model name) for timm's own, whose ``pos_embed`` hyperparameter is unused."""
+    model_name = hparams.get("model_name", "")
+    if not model_name.startswith("visionpe_"):
+        labels = [label for label, name, _ in REFERENCE_MODELS.values() if name == model_name]
+        return labels[0] if labels else model_name
+    pos_embed = hparams.get("pos_embed")
+    return "+".join(pos_embed) if isinstance(pos_embed, (list, tuple)) else str(pos_embed)
+
+
+def _is_class(class_path: object, cls: type) -> bool:
+    """Whether the dotted ``class_path`` (as Lightning saves a data module's class) names ``cls``."""
+    if not isinstance(class_path, str) or "." not in class_path:
+        return False
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name, None) is cls
+    except ImportError:
+        return False
+
+
+def _load_checkpoints(paths: Sequence[str], data_keys: Sequence[str], data_class: type):
+    """Load every checkpoint as (row label, seed, model, data overrides).
+
+    The row label names the model and the checkpoint's path relative to the folder all checkpoints share, so that
+    ``runs/a/last.ckpt`` and ``runs/b/last.ckpt`` get rows of their own. The data overrides give the evaluation
+    data module the split the checkpoint was trained with (its data module's ``seed`` and ``train_fraction``, when
+    it is of the config's class): with the config's split, the held-out digits of one seed are largely the
+    training digits of another.
+    """
+    resolved = [Path(p).resolve() for p in paths]
+    for given, path in zip(paths, resolved, strict=True):
+        if not path.is_file():
+            raise ValueError(f"checkpoints must be existing files, got {given!r}")
+    _check_distinct("checkpoints (resolved paths)", resolved)
+    root = Path(os.path.commonpath([p.parent for p in resolved])) if resolved else None
+    loaded = []
+    for path in resolved:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        if "hyper_parameters" not in ckpt or "state_dict" not in ckpt:
+            raise ValueError(f"checkpoints must be Lightning checkpoints of a Classifier, got {str(path)!r}")
+        hparams, data_hparams = ckpt["hyper_parameters"], ckpt.get("datamodule_hyper_parameters") or {}
+        same_data = _is_class(data_hparams.get("_class_path"), data_class)
+        data = {k: data_hparams[k] for k in data_keys if same_data and k in data_hparams}
+        seed = data.get("seed", hparams.get("seed", 0))
+        model = Classifier.load_from_checkpoint(path, map_location="cpu").eval()
+        label = f"{_checkpoint_label(hparams)} ({path.relative_to(root).as_posix()})"
+        loaded.append((label, seed, model, [f"--data.init_args.{k}={v}" for k, v in data.items()]))
+    return loaded
+
+
+def _probe(model: torch.nn.Module, datamodule, sizes: Sequence[int], name: str) -> None:
+    """Run one evaluation sample of every test size through ``model`` (random weights are fine), so that a size
+    the data module or the model refuses (0, or not a multiple of the patch) fails before any run trains."""
+    model.eval()
+    for size in sizes:
+        try:
+            inputs, _ = next(iter(datamodule.eval_dataloader(size)))
+            with torch.no_grad():
+                model(inputs[:1])
+        except (ValueError, RuntimeError, AssertionError) as err:
+            raise ValueError(f"test size {size} does not work for {name}: {err}") from err
+
+
+def _evaluate(models, datamodule, sizes, modes, seed, device) -> list[dict]:
+    """Rows of every model at every size under every extrapolation mode it accepts (then back to ``none``)."""
+    rows = []
+    test_sizes = list(sizes) if sizes else list(datamodule.eval_sizes)
+    for mode in modes:
+        selected = {
+            (label if mode == "none" else f"{label} [{mode}]"): model
+            for label, model in models.items()
+            if accepts_extrapolation(model.model, mode)
+        }
+        for model in selected.values():
+            if _scalable(model.model):
+                set_extrapolation(model.model, mode)
+        if selected:
+            rows += sweep(selected, datamodule.eval_dataloader, test_sizes, seed=seed, device=device)
+    for model in models.values():
+        if _scalable(model.model):
+            set_extrapolation(model.model, "none")
+    return rows
 
 
 def run_sweep(
@@ -103,9 +203,14 @@ def run_sweep(
 ) -> dict[str, Path]:
     """Train (or load) every model, evaluate it at every size, write table/CSV/plot under ``out_dir``.
 
-    ``overrides`` are LightningCLI arguments applied to every training run and to the data module, e.g.
-    ``["--data.init_args.train_subset=512"]``. With ``reuse``, runs that finished in an earlier call with the
+    ``schemes`` and ``references`` are trained from ``config`` once per seed of ``seeds``; ``checkpoints`` are
+    evaluated as they are, each on the data split and under the seed it was trained with (read from the
+    checkpoint). ``overrides`` are LightningCLI arguments applied to every training run and to the data module,
+    e.g. ``["--data.init_args.train_subset=512"]``. With ``reuse``, runs that finished in an earlier call with the
     same ``out_dir`` (``<out_dir>/<model>/seed<k>/final.ckpt``) are loaded instead of trained again.
+
+    Everything that can be checked without training is checked first: repeated values, the sizes (one sample of
+    each through every model) and that each extrapolation mode is accepted by at least one model.
     """
     if not Path(config).is_file():
         raise ValueError(f"config must be an existing YAML file, got {str(config)!r}")
@@ -115,6 +220,11 @@ def run_sweep(
     bad_modes = [m for m in extrapolation if m not in EXTRAPOLATION_MODES]
     if bad_modes:
         raise ValueError(f"extrapolation modes must be in {EXTRAPOLATION_MODES}, got {bad_modes}")
+    for name, values in (("schemes", schemes), ("references", references), ("checkpoints", checkpoints)):
+        _check_distinct(name, values)
+    seeds, extrapolation = _check_distinct("seeds", seeds), _check_distinct("extrapolation", extrapolation)
+    sizes = _check_distinct("sizes", sizes) if sizes is not None else None
+    _check_sweep_args(seeds, sizes, max_epochs)
     replaced = [o for o in overrides if o.lstrip("-").split("=")[0] in ("model.pos_embed", "model.init_args.pos_embed")]
     if replaced and (schemes or references):
         raise ValueError(
@@ -127,38 +237,44 @@ def run_sweep(
     runs = [(name, [f"--model.pos_embed={name}"]) for name in schemes]
     runs += [(REFERENCE_MODELS[r][0], reference_args(r)) for r in references]
 
-    rows, datamodule = [], None
-    data_seed = bool(runs) and _check_runs(config, [[*run_args, *common] for _, run_args in runs])
+    # Build every run's model and data module once before any training, so that an option a scheme does not take
+    # or a size a model refuses fails in seconds, not after the runs before it trained.
+    clis = [run_cli(args=["--config", str(config), *run_args, *common], run=False) for _, run_args in runs]
+    config_data = (
+        clis[0].datamodule if clis else run_cli(args=["--config", str(config), *overrides], run=False).datamodule
+    )
+    data_class = type(config_data)
+    split_keys = [k for k in ("seed", "train_fraction") if k in inspect.signature(data_class.__init__).parameters]
+    loaded = _load_checkpoints(checkpoints, split_keys, data_class)
+    config_data.setup("validate")
+    probes = [(label, cli.model) for (label, _), cli in zip(runs, clis, strict=True)]
+    probes += [(label, model) for label, _, model, _ in loaded]
+    for label, model in probes:
+        _probe(model, config_data, sizes or config_data.eval_sizes, label)
+    for mode in extrapolation:
+        if not any(accepts_extrapolation(model.model, mode) for _, model in probes):
+            raise ValueError(
+                f"extrapolation mode {mode!r} is accepted by none of the models {[label for label, _ in probes]}"
+            )
+
+    rows, datamodule = [], config_data
     for seed in seeds:
         models: dict[str, Classifier] = {}
         for label, run_args in runs:
             # the data module's seed (split, shuffle, augmentation) follows the run's seed: a seed is a whole
             # replicate, and Lightning refuses a module and a data module that log different 'seed' values
             seed_args = [f"--seed_everything={seed}", f"--model.seed={seed}"]
-            seed_args += [f"--data.init_args.seed={seed}"] if data_seed else []
+            seed_args += [f"--data.init_args.seed={seed}"] if "seed" in split_keys else []
             run_dir = out_dir / label.replace(" ", "_") / f"seed{seed}"
             models[label], datamodule = train_from_config(config, [*run_args, *seed_args, *common], run_dir, reuse)
-        if seed == seeds[0]:
-            for path in checkpoints:
-                model = Classifier.load_from_checkpoint(path, map_location="cpu").eval()
-                models[f"{model.hparams.pos_embed} ({Path(path).name})"] = model
-        if datamodule is None:  # checkpoints only: the config still provides the data
-            cli = run_cli(args=["--config", str(config), *overrides], run=False)
-            datamodule = cli.datamodule
+        if models:
+            rows += _evaluate(models, datamodule, sizes, extrapolation, seed, device)
+    for label, seed, model, data_args in loaded:
+        if data_args:
+            datamodule = run_cli(args=["--config", str(config), *overrides, *data_args], run=False).datamodule
             datamodule.setup("validate")
-        test_sizes = list(sizes) if sizes else list(datamodule.eval_sizes)
-        for mode in extrapolation:
-            selected = {
-                (label if mode == "none" else f"{label} [{mode}]"): model
-                for label, model in models.items()
-                if accepts_extrapolation(model.model, mode)
-            }
-            for model in selected.values():
-                if _scalable(model.model):
-                    set_extrapolation(model.model, mode)
-            rows += sweep(selected, datamodule.eval_dataloader, test_sizes, seed=seed, device=device)
-        for model in models.values():
-            if _scalable(model.model):
-                set_extrapolation(model.model, "none")
+        else:
+            datamodule = config_data
+        rows += _evaluate({label: model}, datamodule, sizes, extrapolation, seed, device)
     title = title or f"Extrapolation sweep ({Path(config).stem})"
     return write_report(rows, out_dir, title, size_label=getattr(datamodule, "size_label", "px"))
