@@ -1,4 +1,6 @@
 import csv
+import io
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -559,3 +561,145 @@ def test_lightning_fit_sets_the_sampler_epoch():
     trainer = L.Trainer(max_epochs=2, limit_train_batches=1, limit_val_batches=0, accelerator="cpu", **quiet)
     trainer.fit(model, datamodule=DigitsDataModule(batch_size=16))
     assert len(model.first_labels) == 2 and not torch.equal(*model.first_labels)
+
+
+# --- determinism of the folder data modules and their checkpointed hyperparameters ---------------------------------
+
+
+def write_noise_image(path: Path, seed: int, size=(40, 30)) -> None:
+    """A random RGB image (seeded), so that crops, flips and RandAugment change the pixels."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+
+
+def make_noise_image_folder(root: Path, classes=("cat", "dog"), per_class=4) -> Path:
+    for s, split in enumerate(("train", "val")):
+        for c, name in enumerate(classes):
+            for i in range(per_class):
+                write_noise_image(root / split / name / f"{i}.png", seed=100 * s + 10 * c + i)
+    return root
+
+
+def make_noise_clips(root: Path, classes=("push", "pull"), clips=3, frames=10) -> Path:
+    for s, split in enumerate(("train", "val")):
+        for c, name in enumerate(classes):
+            for k in range(clips):
+                for f in range(frames):
+                    seed = 1000 * s + 100 * c + 10 * k + f
+                    write_noise_image(root / split / name / f"clip{k}" / f"frame_{f}.png", seed, size=(20, 16))
+    return root
+
+
+def global_rng_states() -> tuple:
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def assert_same_states(before: tuple, after: tuple, torch_too: bool = True) -> None:
+    if torch_too:
+        assert torch.equal(before[0], after[0]), "torch's global RNG state changed"
+    assert before[1] == after[1], "Python's random state changed"
+    numpy_before, numpy_after = before[2], after[2]
+    assert np.array_equal(numpy_before[1], numpy_after[1]) and numpy_before[2:] == numpy_after[2:], "NumPy's changed"
+
+
+def reseed_globals(value: int) -> None:
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value)
+
+
+def read_epoch(loader, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    loader.sampler.set_epoch(epoch)
+    xs, ys = zip(*loader, strict=True)
+    return torch.cat(xs), torch.cat(ys)
+
+
+def frame_clip_module(root: Path, seed: int):
+    options = {"num_frames": 3, "stride": 2, "img_size": 12, "batch_size": 2, "num_workers": 0}
+    return FrameClipDataModule(root, scale=(0.3, 1.0), hflip=0.5, seed=seed, **options)
+
+
+def image_folder_module(root: Path, seed: int):
+    return ImageFolderDataModule(root, img_size=16, batch_size=4, num_workers=0, re_prob=0.5, seed=seed)
+
+
+@pytest.mark.parametrize("kind", ["image_folder", "frame_clips"])
+def test_folder_training_batches_are_a_function_of_seed_and_epoch(tmp_path, kind):
+    if kind == "image_folder":
+        root, make = make_noise_image_folder(tmp_path / "images"), image_folder_module
+    else:
+        root, make = make_noise_clips(tmp_path / "clips"), frame_clip_module
+    reseed_globals(1)
+    dm = make(root, seed=0)
+    loader = dm.train_dataloader()
+    before = global_rng_states()
+    x, y = read_epoch(loader, 0)
+    # the DataLoader's iterator draws its worker base seed from torch's RNG; the samples touch no global RNG
+    assert_same_states(before, global_rng_states(), torch_too=False)
+    x1, y1 = read_epoch(loader, 1)
+    assert len(x) == len(dm.train_dataset) and sorted(y.tolist()) == sorted(y1.tolist())
+    assert not torch.equal(x, x1)  # a new order and new augmentation each epoch
+
+    reseed_globals(2)  # as after a resume: other global RNG states, a fresh data module, straight into epoch 1
+    fresh = make(root, seed=0).train_dataloader()
+    x1_again, y1_again = read_epoch(fresh, 1)
+    assert torch.equal(x1, x1_again) and torch.equal(y1, y1_again)
+    reseed_globals(3)
+    x_again, y_again = read_epoch(fresh, 0)
+    assert torch.equal(x, x_again) and torch.equal(y, y_again)
+    assert not torch.equal(x, read_epoch(make(root, seed=1).train_dataloader(), 0)[0])
+
+    dataset = dm.train_dataset  # single items: a pure function of (index, epoch), no global RNG touched
+    before = global_rng_states()
+    first = [dataset[(index, 1)][0] for index in range(len(dataset))]
+    assert_same_states(before, global_rng_states())
+    reseed_globals(4)
+    assert all(torch.equal(item, dataset[(index, 1)][0]) for index, item in enumerate(first))
+    assert not all(torch.equal(item, dataset[(index, 2)][0]) for index, item in enumerate(first))
+    assert torch.equal(dataset[0][0], dataset[(0, 0)][0])  # a plain index is epoch 0
+
+
+def test_folder_eval_batches_stay_fixed_and_unshuffled(tmp_path):
+    root = make_noise_image_folder(tmp_path / "images")
+    dm = image_folder_module(root, seed=0)
+    reseed_globals(5)
+    x, y = first_batch(dm.val_dataloader())
+    reseed_globals(6)
+    x_other, y_other = first_batch(image_folder_module(root, seed=1).val_dataloader())
+    assert torch.equal(x, x_other) and y.tolist() == y_other.tolist() == [0, 0, 0, 0]
+    clips = make_noise_clips(tmp_path / "clips")
+    x, y = first_batch(frame_clip_module(clips, seed=0).eval_dataloader(2))
+    x_other, y_other = first_batch(frame_clip_module(clips, seed=1).eval_dataloader(2))
+    assert torch.equal(x, x_other) and y.tolist() == y_other.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("kind", ["image_folder", "frame_clips", "digits", "moving_digits"])
+def test_hyperparameters_with_paths_load_with_weights_only(tmp_path, kind):
+    """Lightning saves ``dict(datamodule.hparams)`` in checkpoints and loads them with torch's weights_only unpickler,
+    which rejects ``pathlib`` objects: paths must be stored as str."""
+    if kind == "image_folder":
+        dm, key = ImageFolderDataModule(make_image_folder(tmp_path / "images"), seed=2), "root"
+    elif kind == "frame_clips":
+        dm, key = FrameClipDataModule(make_clips(tmp_path / "clips"), seed=2), "root"
+    elif kind == "digits":
+        dm, key = DigitsDataModule(digits_path=DIGITS_PATH), "digits_path"
+    else:
+        dm, key = MovingDigitsDataModule(digits_path=DIGITS_PATH), "digits_path"
+    assert isinstance(dm.hparams[key], str) and dm.hparams["seed"] == (0 if "digits" in kind else 2)
+    buffer = io.BytesIO()
+    torch.save(dict(dm.hparams), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded == dict(dm.hparams)
+    rebuilt = type(dm)(**loaded)  # the module rebuilt from its checkpointed hyperparameters
+    assert dict(rebuilt.hparams) == loaded
+    if kind in ("image_folder", "frame_clips"):
+        assert isinstance(dm.root, Path) and rebuilt.root == dm.root
+
+
+@pytest.mark.parametrize("kwargs", [{"seed": -1}, {"seed": 1.5}])
+def test_folder_modules_check_the_seed(tmp_path, kwargs):
+    for cls in (ImageFolderDataModule, FrameClipDataModule):
+        with pytest.raises((ValueError, TypeError), match="seed must be"):
+            cls(tmp_path, **kwargs)

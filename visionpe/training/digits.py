@@ -23,6 +23,7 @@ Evaluation is fixed per ``(seed, size, index)``.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -133,6 +134,26 @@ def _one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(num_threads)
+
+
+@contextmanager
+def _seeded_rngs(sample_seed: int) -> Iterator[None]:
+    """Seed Python's ``random``, NumPy's global RNG and torch's CPU RNG from ``sample_seed``; restore all three after.
+
+    Transforms that draw from the global RNGs (timm's RandAugment and RandomResizedCrop use ``random`` and
+    ``np.random``, random erasing and torchvision's transforms use torch) then make a pure function of the seed,
+    whatever the RNG states around the call, and leave those states as they found them.
+    """
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed)
+            random.seed(sample_seed)
+            np.random.seed([sample_seed & 0xFFFFFFFF, sample_seed >> 32])  # legacy seeds are uint32 words
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
 
 
 def _collate(batch: list) -> Any:
@@ -295,8 +316,7 @@ class _DigitsDataset(Dataset):
         if self.protocol == "canvas":
             image = self._paste(digit, self.boxes[index], torch.Generator().manual_seed(sample_seed))
         elif self.training:
-            with torch.random.fork_rng(devices=[]):  # the torchvision transforms draw from the global RNG
-                torch.manual_seed(sample_seed)
+            with _seeded_rngs(sample_seed):  # the torchvision transforms draw from the global RNG
                 image = self.transform(Image.fromarray(digit.numpy()))
         else:
             image = self.transform(Image.fromarray(digit.numpy()).convert("RGB"))
@@ -399,6 +419,7 @@ class DigitsDataModule(L.LightningDataModule):
         if digits_path is not None and not isinstance(digits_path, (str, Path)):
             raise TypeError(f"digits_path must be a str or Path, got {type(digits_path).__name__}")
         self.digits_path = digits_path
+        digits_path = None if digits_path is None else str(digits_path)  # hparams: no Path in checkpoints
         self.save_hyperparameters()
         self.train_dataset: _DigitsDataset | None = None
         self.val_dataset: _DigitsDataset | None = None

@@ -5,8 +5,14 @@ RandAugment (``auto_augment``) and random erasing (``re_prob``), the DeiT recipe
 belong to the LightningModule (``timm.data.Mixup``). Evaluation uses timm's eval transform: resize to
 ``img_size / crop_pct``, centre crop ``img_size`` (``crop_pct=1.0``: resize to N, centre crop N), also at every
 other size asked of :meth:`ImageFolderDataModule.eval_dataloader`. Normalisation is ImageNet's
-(:data:`IMAGENET_MEAN`, :data:`IMAGENET_STD`). Shuffling and augmentation draw from the global RNGs (timm's
-RandAugment uses Python's ``random``): seed them with ``lightning.seed_everything(seed, workers=True)``.
+(:data:`IMAGENET_MEAN`, :data:`IMAGENET_STD`).
+
+Determinism: training batches are a pure function of ``(seed, epoch)``, as for
+:class:`~visionpe.training.DigitsDataModule`. The training sampler (:class:`~visionpe.training.digits.EpochSampler`)
+shuffles with a generator seeded by ``(seed, epoch)`` and hands each sample its epoch; each sample's augmentation
+runs with Python's ``random``, NumPy's and torch's global RNGs seeded from ``(seed, epoch, index)`` (timm's transforms
+draw from all three) and restored afterwards. So a run resumed from a checkpoint sees the batches of the
+uninterrupted run, whatever the global RNG states, ``num_workers`` or the number of DDP processes.
 """
 
 from __future__ import annotations
@@ -22,7 +28,17 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from .digits import _check_int, _check_int_tuple, _collate, _one_thread
+from .digits import (
+    _TRAIN_STREAM,
+    EpochSampler,
+    _check_int,
+    _check_int_tuple,
+    _collate,
+    _one_thread,
+    _sample_seed,
+    _seeded_rngs,
+    _unpack,
+)
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "ImageFolderDataModule", "scan_image_folder"]
 
@@ -66,18 +82,27 @@ def scan_image_folder(split_dir: str | Path) -> ImageFolder:
 
 
 class _Transformed(Dataset):
-    """``(transform(image), label)`` for the items of an untransformed dataset."""
+    """``(transform(image), label)`` for the items of an untransformed dataset.
 
-    def __init__(self, dataset: Dataset, transform: Callable[[Any], torch.Tensor]) -> None:
-        self.dataset, self.transform = dataset, transform
+    With a ``seed`` (training), items are ``index`` or ``(index, epoch)`` and the transform runs with the global RNGs
+    seeded from ``(seed, epoch, index)`` (see :func:`~visionpe.training.digits._seeded_rngs`); without one
+    (evaluation, deterministic transforms) it runs as it is.
+    """
+
+    def __init__(self, dataset: Dataset, transform: Callable[[Any], torch.Tensor], seed: int | None = None) -> None:
+        self.dataset, self.transform, self.seed = dataset, transform, seed
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, item: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        index, epoch = _unpack(item)
         image, label = self.dataset[index]
         with _one_thread():
-            return self.transform(image), label
+            if self.seed is None:
+                return self.transform(image), label
+            with _seeded_rngs(_sample_seed(self.seed, _TRAIN_STREAM, epoch, index)):
+                return self.transform(image), label
 
 
 class ImageFolderDataModule(L.LightningDataModule):
@@ -97,6 +122,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         auto_augment: timm RandAugment / AutoAugment policy string, or None / "" for none.
         re_prob: random-erasing probability.
         eval_sizes: sides for :meth:`test_dataloader` (None: ``(img_size,)``).
+        seed: seed of the training order and of every training augmentation (a pure function of
+            ``(seed, epoch, index)``; the global RNGs are neither used nor changed).
     """
 
     mean, std = IMAGENET_MEAN, IMAGENET_STD
@@ -113,11 +140,13 @@ class ImageFolderDataModule(L.LightningDataModule):
         auto_augment: str | None = "rand-m9-mstd0.5-inc1",
         re_prob: float = 0.25,
         eval_sizes: Sequence[int] | None = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         if not isinstance(root, (str, Path)):
             raise TypeError(f"root must be a str or Path, got {type(root).__name__}")
         self.root = Path(root)
+        root = str(root)  # hparams: a Path would not load under torch.load(weights_only=True)
         self.img_size = _check_int("img_size", img_size)
         self.batch_size = _check_int("batch_size", batch_size)
         self.num_workers = _check_int("num_workers", num_workers, minimum=0)
@@ -134,6 +163,7 @@ class ImageFolderDataModule(L.LightningDataModule):
             raise ValueError(f"re_prob must be a float in [0, 1], got {re_prob!r}")
         self.re_prob = float(re_prob)
         self.eval_sizes = (self.img_size,) if eval_sizes is None else _check_int_tuple("eval_sizes", eval_sizes)
+        self.seed = _check_int("seed", seed, minimum=0)
         self.save_hyperparameters()
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
@@ -165,7 +195,7 @@ class ImageFolderDataModule(L.LightningDataModule):
             mean=IMAGENET_MEAN,
             std=IMAGENET_STD,
         )
-        self.train_dataset = _Transformed(train, self.train_transform)
+        self.train_dataset = _Transformed(train, self.train_transform, seed=self.seed)
         self.val_dataset = _Transformed(val, self.eval_transform(self.img_size))
 
     def eval_transform(self, size: int) -> Callable[[Any], torch.Tensor]:
@@ -185,7 +215,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=training,
+            sampler=EpochSampler(len(dataset), self.seed) if training else None,
+            shuffle=False,
             drop_last=training,
             num_workers=self.num_workers,
             collate_fn=_collate,
@@ -194,7 +225,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled, augmented batches; x (B, 3, img_size, img_size)."""
+        """Shuffled, augmented batches, a function of ``(seed, epoch)``; x (B, 3, img_size, img_size)."""
         self.setup()
         return self._loader(self.train_dataset, training=True)
 

@@ -8,7 +8,8 @@ index or a class name). Frames are sorted by natural order of their file names (
 ``num_frames`` frames are taken ``stride`` apart, from a random start in training and centred in evaluation. A clip
 shorter than the ``(num_frames - 1) * stride + 1`` frames that span needs is padded by repeating its last frame, as
 SlowFast/PySlowFast's samplers do (clamped indices), rather than rejected: Something-Something-v2 and Kinetics both
-have short clips. A clip folder without any frame file is an error.
+have short clips. A clip folder without any frame file is an error. Training clips (order, start, crop, flip) are a
+pure function of ``(seed, epoch, index)``, as the digits' training samples are; the global RNGs are left alone.
 
 **Moving digits** (:class:`MovingDigitsDataModule`): a bundled digit, resized to ``digit_size``, moves at a constant
 ``speed`` (pixels per frame) in one of the :data:`DIRECTIONS` over a black ``img_size`` canvas that wraps around
@@ -46,6 +47,7 @@ from .digits import (
     _collate,
     _one_thread,
     _sample_seed,
+    _seeded_rngs,
     _unpack,
     load_digits,
     split_digits,
@@ -149,18 +151,28 @@ def _read_index(csv_path: Path, root: Path) -> list[tuple[Path, str]]:
 
 
 class _FrameClips(Dataset):
-    """Clips ``(clip_dir, label)`` as ``(x (C, T, H, W), label)``."""
+    """Clips ``(clip_dir, label)`` as ``(x (C, T, H, W), label)``.
 
-    def __init__(self, clips: list[tuple[Path, int]], num_frames: int, stride: int, transform, training: bool):
+    Items are ``index`` or ``(index, epoch)``. Training clips draw their start and augmentation from the global RNGs
+    seeded from ``(seed, epoch, index)`` (see :func:`~visionpe.training.digits._seeded_rngs`), which are restored after.
+    """
+
+    def __init__(
+        self, clips: list[tuple[Path, int]], num_frames: int, stride: int, transform, training: bool, seed: int = 0
+    ):
         self.clips, self.num_frames, self.stride = clips, num_frames, stride
-        self.transform, self.training = transform, training
+        self.transform, self.training, self.seed = transform, training, seed
 
     def __len__(self) -> int:
         return len(self.clips)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, item: int | tuple[int, int]) -> tuple[torch.Tensor, int]:
+        index, epoch = _unpack(item)
         with _one_thread():
-            return self._clip(index)
+            if not self.training:
+                return self._clip(index)
+            with _seeded_rngs(_sample_seed(self.seed, _TRAIN_STREAM, epoch, index)):
+                return self._clip(index)
 
     def _clip(self, index: int) -> tuple[torch.Tensor, int]:
         clip_dir, label = self.clips[index]
@@ -187,8 +199,10 @@ class FrameClipDataModule(L.LightningDataModule):
     y (B,) int64. Training: random start, RandomResizedCrop (``scale``), horizontal flip with probability ``hflip``
     (0 by default: flipping changes the label of direction classes such as Something-Something-v2's "pushing
     something from left to right"). Evaluation: centred start, resize the short side to ``img_size``, centre crop.
-    ``classes`` and ``num_classes`` are set by :meth:`setup`. Shuffling and augmentation draw from the global RNG:
-    seed it with ``lightning.seed_everything(seed, workers=True)``.
+    ``classes`` and ``num_classes`` are set by :meth:`setup`. The training order and every training clip (start,
+    crop, flip) are a pure function of ``(seed, epoch, index)``: the sampler shuffles per ``(seed, epoch)`` and each
+    clip runs with the global RNGs seeded from its own seed and restored after, so a resumed run repeats the
+    uninterrupted one whatever the global RNG states.
 
     Args:
         root: folder with ``train/`` and ``val/`` (``<class>/<clip>/<frame files>``), or the base of the CSV paths.
@@ -202,6 +216,7 @@ class FrameClipDataModule(L.LightningDataModule):
         scale: RandomResizedCrop area range for training.
         hflip: horizontal-flip probability for training.
         eval_frames: clip lengths for :meth:`test_dataloader` (None: ``(num_frames,)``).
+        seed: seed of the training order and of every training clip's start and augmentation.
     """
 
     mean, std = IMAGENET_MEAN, IMAGENET_STD
@@ -219,11 +234,13 @@ class FrameClipDataModule(L.LightningDataModule):
         scale: tuple[float, float] = (0.25, 1.0),
         hflip: float = 0.0,
         eval_frames: Sequence[int] | None = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         if not isinstance(root, (str, Path)):
             raise TypeError(f"root must be a str or Path, got {type(root).__name__}")
         self.root = Path(root)
+        root = str(root)  # hparams: a Path would not load under torch.load(weights_only=True)
         self.num_frames = _check_int("num_frames", num_frames)
         self.stride = _check_int("stride", stride)
         self.img_size = _check_int("img_size", img_size)
@@ -239,6 +256,7 @@ class FrameClipDataModule(L.LightningDataModule):
         self.eval_frames = (
             (self.num_frames,) if eval_frames is None else _check_int_tuple("eval_frames", eval_frames, minimum=1)
         )
+        self.seed = _check_int("seed", seed, minimum=0)
         self.save_hyperparameters()
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
@@ -291,7 +309,9 @@ class FrameClipDataModule(L.LightningDataModule):
         self.eval_transform = v2.Compose([v2.Resize(self.img_size), v2.CenterCrop(self.img_size), *normalize])
         self._val_clips = [(clip_dir, label_of[label]) for clip_dir, label in val]
         train_clips = [(clip_dir, label_of[label]) for clip_dir, label in train]
-        self.train_dataset = _FrameClips(train_clips, self.num_frames, self.stride, train_transform, training=True)
+        self.train_dataset = _FrameClips(
+            train_clips, self.num_frames, self.stride, train_transform, training=True, seed=self.seed
+        )
         self.val_dataset = _FrameClips(self._val_clips, self.num_frames, self.stride, self.eval_transform, False)
 
     @property
@@ -303,7 +323,8 @@ class FrameClipDataModule(L.LightningDataModule):
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=training,
+            sampler=EpochSampler(len(dataset), self.seed) if training else None,
+            shuffle=False,
             num_workers=self.num_workers,
             collate_fn=_collate,
             pin_memory=torch.cuda.is_available(),
@@ -311,7 +332,7 @@ class FrameClipDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled, augmented clips; x (B, 3, num_frames, img_size, img_size)."""
+        """Shuffled, augmented clips, a function of ``(seed, epoch)``; x (B, 3, num_frames, img_size, img_size)."""
         self.setup()
         return self._loader(self.train_dataset, training=True)
 
@@ -458,6 +479,7 @@ class MovingDigitsDataModule(L.LightningDataModule):
         if digits_path is not None and not isinstance(digits_path, (str, Path)):
             raise TypeError(f"digits_path must be a str or Path, got {type(digits_path).__name__}")
         self.digits_path = digits_path
+        digits_path = None if digits_path is None else str(digits_path)  # hparams: no Path in checkpoints
         self.save_hyperparameters()
         self.train_dataset: _MovingDigits | None = None
         self.val_dataset: _MovingDigits | None = None
