@@ -1,6 +1,7 @@
 """End-to-end training tests through the LightningCLI, the way users run train/classify.py and train/video.py."""
 
 import csv
+import math
 import os
 import subprocess
 import sys
@@ -127,3 +128,119 @@ def test_bad_model_arguments_are_clear():
         Classifier(num_classes=1)
     with pytest.raises(ValueError, match="base_lr"):
         Classifier(base_lr=0.0, num_classes=10)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"base_lr": "1e-3"}, ValueError, "base_lr must be a positive number, got '1e-3'"),
+        ({"mixup": None}, TypeError, "mixup must be a number >= 0, got None"),
+        ({"opt": "bogus"}, ValueError, "opt must be a timm optimizer name .*got 'bogus'"),
+        ({"seed": 1.5}, ValueError, r"seed must be an int >= 0, got 1.5"),
+        ({"seed": -1}, ValueError, "seed must be an int >= 0, got -1"),
+        ({"label_smoothing": 1.5}, ValueError, r"label_smoothing must be a number in \[0, 1\), got 1.5"),
+        ({"drop_path_rate": 2.0}, ValueError, r"drop_path_rate must be a number in \[0, 1\), got 2.0"),
+        ({"weight_decay": -0.1}, ValueError, "weight_decay must be a number >= 0, got -0.1"),
+        ({"warmup_epochs": -1}, ValueError, "warmup_epochs must be a number >= 0, got -1"),
+        ({"min_lr": float("nan")}, ValueError, "min_lr must be a number >= 0, got nan"),
+        ({"lr_batch_reference": True}, TypeError, "lr_batch_reference must be an int >= 1, got True"),
+        ({"model_kwargs": [1]}, TypeError, r"model_kwargs must be None or a dict, got \[1\]"),
+    ],
+)
+def test_every_classifier_argument_is_checked(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        Classifier(model_name="visionpe_vit_tiny_patch16_224", num_classes=10, **kwargs)
+    Classifier(model_name="visionpe_vit_tiny_patch16_224", num_classes=10, opt="lookahead_adamw")  # timm's prefix
+
+
+def _tiny_trainer(tmp_path, **kwargs):
+    import lightning
+
+    options = {"enable_progress_bar": False, "enable_model_summary": False, "logger": False}
+    return lightning.Trainer(default_root_dir=tmp_path, accelerator="cpu", **options, **kwargs)
+
+
+def _tiny_digits(**kwargs):
+    from visionpe.training import DigitsDataModule
+
+    return DigitsDataModule(img_size=16, eval_sizes=(16, 24), batch_size=16, num_workers=0, **kwargs)
+
+
+TINY = {"img_size": 16, "patch_size": 4, "embed_dim": 32, "depth": 1, "num_heads": 2, "dynamic_img_size": True}
+
+
+def test_test_reports_one_accuracy_per_eval_size(tmp_path):
+    """The data modules' test_dataloader gives one loader per eval size: trainer.test reports each under its size,
+    each equal to the model's accuracy on that loader alone (one shared metric pooled them)."""
+    from visionpe.training.evaluate import accuracy
+
+    model = Classifier(
+        "visionpe_vit_tiny_patch16_224", "rope_axial", model_kwargs=TINY, num_classes=10, mixup=0, cutmix=0
+    )
+    data = _tiny_digits(train_subset=64)
+    per_loader = _tiny_trainer(tmp_path, limit_test_batches=3).test(model, datamodule=data)
+    assert [set(r) for r in per_loader] == [{"test/acc@16px", "test/loss@16px"}, {"test/acc@24px", "test/loss@24px"}]
+    results = per_loader[0] | per_loader[1]
+    for size in data.eval_sizes:
+        loader = data.eval_dataloader(size)
+        subset = torch.utils.data.DataLoader(list(loader)[:3], batch_size=None)
+        assert results[f"test/acc@{size}px"] == pytest.approx(accuracy(model, subset) / 100, abs=1e-6)
+    (val,) = _tiny_trainer(tmp_path, limit_val_batches=2).validate(model, datamodule=data)
+    assert set(val) == {"val/acc", "val/loss"}
+
+
+class _Draws(Classifier):
+    """Records one draw of the global RNG per training batch (what mixup, cutmix and drop path draw from)."""
+
+    def training_step(self, batch, batch_idx):
+        self.draws.append(float(torch.rand(())))
+        return super().training_step(batch, batch_idx)
+
+
+def test_accumulated_micro_batches_draw_differently(tmp_path):
+    model = _Draws("visionpe_vit_tiny_patch16_224", "learned", model_kwargs=TINY, num_classes=10, mixup=0.8)
+    model.draws = []
+    trainer = _tiny_trainer(tmp_path, max_steps=3, accumulate_grad_batches=2, limit_val_batches=0)
+    trainer.fit(model, datamodule=_tiny_digits(train_subset=128))
+    assert trainer.global_step == 3 and len(model.draws) == 6
+    assert len(set(model.draws)) == 6  # two micro-batches of one update drew the same mixup and drop path
+
+
+class _LearningRates(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.rates.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("limits", [{"max_steps": 24, "max_epochs": -1}, {"max_steps": 24, "max_epochs": 50}])
+def test_schedule_of_a_run_bounded_by_max_steps(tmp_path, limits):
+    """warmup_epochs counts epochs of updates (8 per epoch here) and the cosine ends at max_steps, also when
+    max_epochs is -1 (the schedule took max_steps for one epoch: 5 epochs of warm-up were 120 updates). As in DeiT
+    (timm's warmup_prefix=False), the cosine runs from update 0 and the warm-up ramps towards the peak beside it."""
+    kwargs = {"model_kwargs": TINY, "num_classes": 10, "mixup": 0, "cutmix": 0, "base_lr": 1e-3}
+    model = Classifier("visionpe_vit_tiny_patch16_224", "learned", warmup_epochs=1, min_lr=1e-5, **kwargs)
+    rates = _LearningRates()
+    rates.rates = []
+    trainer = _tiny_trainer(tmp_path, callbacks=[rates], limit_val_batches=0, **limits)
+    trainer.fit(model, datamodule=_tiny_digits(train_subset=128))  # 128 / 16 = 8 updates per epoch
+    peak, low, start = 1e-3 * 16 / 512, 1e-5, 1e-6
+
+    def cosine(t):
+        return low + (peak - low) * 0.5 * (1 + math.cos(math.pi * t / 24))
+
+    assert len(rates.rates) == 24
+    assert rates.rates[:8] == pytest.approx([start + t * (peak - start) / 8 for t in range(8)])
+    assert rates.rates[8:] == pytest.approx([cosine(t) for t in range(8, 24)])
+
+
+def test_cutmix_on_clips_cuts_one_box_through_every_frame():
+    model = Classifier("visionpe_vit_tiny_patch16_224", "none", num_classes=4, mixup=0, cutmix=1.0, label_smoothing=0)
+    clips = torch.zeros(2, 3, 6, 16, 20)
+    clips[1] = 1.0  # timm pairs sample 0 with the last one (the batch flipped)
+    torch.manual_seed(0)
+    mixed, soft = model._mix(clips.clone(), torch.tensor([0, 1]))
+    pasted = mixed[0] != 0  # (C, T, H, W): where sample 0 got sample 1's pixels
+    assert pasted.any() and (pasted == pasted[:1, :1]).all()  # the same (H, W) box in every channel and frame
+    rows, cols = pasted[0, 0].any(1), pasted[0, 0].any(0)
+    assert int(pasted[0, 0].sum()) == int(rows.sum()) * int(cols.sum())  # a rectangle
+    area = float(pasted[0, 0].float().mean())
+    assert soft[0, 0] == pytest.approx(1 - area) and soft[0, 1] == pytest.approx(area)

@@ -3,12 +3,13 @@
 The DeiT recipe is assembled from what timm already provides: ``timm.create_model`` for the network,
 ``timm.data.Mixup`` (mixup, cutmix, label smoothing), ``timm.optim.create_optimizer_v2`` (AdamW, weight decay
 skipped for norms, biases and the model's ``no_weight_decay`` set: position tables and frequencies),
-``timm.scheduler`` (cosine with warm-up, stepped per update) and torchmetrics for accuracy. Lightning does the
-rest: checkpointing, resume, logging, progress bars, DDP.
+``timm.scheduler.CosineLRScheduler`` (cosine with linear warm-up, counted and stepped in optimizer updates) and
+torchmetrics for accuracy. Lightning does the rest: checkpointing, resume, logging, progress bars, DDP.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -17,16 +18,63 @@ import numpy as np
 import timm
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from timm.data import Mixup
 from timm.layers import trunc_normal_
 from timm.loss import SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2
-from timm.scheduler import create_scheduler_v2
+from timm.optim import create_optimizer_v2, get_optimizer_class
+from timm.scheduler import CosineLRScheduler
 from torchmetrics.classification import MulticlassAccuracy
 
 import visionpe  # noqa: F401  (registers the visionpe models with timm)
 
+from .digits import _sample_seed as sample_seed
+
+_STEP_STREAM = 5  # key of the per-batch seeds (the data modules use other streams)
+
 __all__ = ["Classifier"]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_args(args: dict[str, Any]) -> None:
+    """Validate the Classifier's arguments (``locals()`` of its ``__init__``), naming the argument, what it must be
+    and what was given, before anything is built."""
+
+    def fail(name: str, expected: str) -> None:
+        value = args[name]
+        numeric = isinstance(value, (int, float, str)) and not isinstance(value, bool)
+        error = ValueError if numeric else TypeError
+        raise error(f"{name} must be {expected}, got {value!r}")
+
+    if not isinstance(args["model_name"], str) or not args["model_name"]:
+        fail("model_name", "a timm model name")
+    for name in ("pos_embed_kwargs", "model_kwargs"):
+        if args[name] is not None and not isinstance(args[name], dict):
+            fail(name, "None or a dict")
+    for name, minimum in (("num_classes", 2), ("lr_batch_reference", 1), ("seed", 0)):
+        value = args[name]
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            fail(name, f"an int >= {minimum}")
+    if not _is_number(args["base_lr"]) or args["base_lr"] <= 0:
+        fail("base_lr", "a positive number")
+    for name in ("weight_decay", "warmup_epochs", "min_lr", "warmup_lr", "mixup", "cutmix"):
+        if not _is_number(args[name]) or args[name] < 0:
+            fail(name, "a number >= 0")
+    for name in ("label_smoothing", "drop_path_rate"):
+        if not _is_number(args[name]) or not 0 <= args[name] < 1:
+            fail(name, "a number in [0, 1)")
+    opt = args["opt"]
+    if not isinstance(opt, str):
+        fail("opt", "a timm optimizer name")
+    try:
+        get_optimizer_class(opt.lower().removeprefix("lookahead_"))
+    except ValueError:
+        fail("opt", "a timm optimizer name (timm.optim.list_optimizers(), optionally with a 'lookahead_' prefix)")
+    if args["weight_init"] not in (None, "vit"):
+        fail("weight_init", "None or 'vit'")
 
 
 class Classifier(L.LightningModule):
@@ -45,9 +93,15 @@ class Classifier(L.LightningModule):
         weight_init: None keeps the model's own initialisation; ``"vit"`` re-initialises every Linear layer as
             timm's VisionTransformer does (truncated normal, std 0.02, zero bias), e.g. to train timm's Eva models
             (which scale the head by 1e-3 and the residual projections by depth) exactly like a visionpe ViT.
-        seed: the randomness of every training step is reseeded from (seed, step, rank), so resuming from a
-            checkpoint replays the same mixup, cutmix and drop path as an uninterrupted run (the data modules
-            seed their sampling and augmentation per epoch the same way).
+        seed: the randomness of every training batch is reseeded from (seed, update, micro-batch of the update,
+            rank), so resuming from a checkpoint replays the same mixup, cutmix and drop path as an uninterrupted
+            run, and the micro-batches of an accumulated update draw differently (the data modules seed their
+            sampling and augmentation per epoch the same way).
+
+    The schedule counts optimizer updates: ``warmup_epochs`` and the cosine are measured in epochs of updates, and
+    a run bounded by ``trainer.max_steps`` ends its cosine at ``max_steps``. Clips get cutmix boxes in (H, W), the
+    same box on every frame. Validation and test keep one accuracy per dataloader; with several (the data modules'
+    ``test_dataloader``: one per eval size), they are logged as ``test/acc@<size><unit>``, e.g. ``test/acc@48px``.
     """
 
     def __init__(
@@ -72,16 +126,7 @@ class Classifier(L.LightningModule):
         weight_init: str | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(num_classes, int) or num_classes < 2:
-            raise ValueError(f"num_classes must be an int >= 2, got {num_classes!r}")
-        for name, value in (("base_lr", base_lr), ("lr_batch_reference", lr_batch_reference)):
-            if not value > 0:
-                raise ValueError(f"{name} must be positive, got {value!r}")
-        for name, value in (("mixup", mixup), ("cutmix", cutmix), ("label_smoothing", label_smoothing)):
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value!r}")
-        if weight_init not in (None, "vit"):
-            raise ValueError(f"weight_init must be None or 'vit', got {weight_init!r}")
+        _check_args(locals())
         self.save_hyperparameters()
         kwargs = dict(model_kwargs or {})
         if model_name.startswith("visionpe_"):
@@ -98,15 +143,18 @@ class Classifier(L.LightningModule):
             if mixup > 0 or cutmix > 0
             else None
         )
-        self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.accuracies = torch.nn.ModuleDict()  # "<stage>_<dataloader_idx>": one accuracy per eval dataloader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # Every step's randomness (mixup, cutmix, drop path) is a function of (seed, step, rank) only, so a run
-        # resumed from a checkpoint replays exactly what the uninterrupted run would have drawn.
-        step_seed = (self.hparams.seed * 1_000_003 + self.global_step) * 64 + self.global_rank
+        # Every batch's randomness (mixup, cutmix, drop path) is a function of (seed, update, micro-batch, rank) only,
+        # so a run resumed from a checkpoint replays exactly what the uninterrupted run would have drawn. Lightning
+        # accumulates over windows of accumulate_grad_batches batches from the start of each epoch, during which
+        # global_step (the update count) stands still: the micro-batch index tells the window's batches apart.
+        micro = batch_idx % self.trainer.accumulate_grad_batches
+        step_seed = sample_seed(self.hparams.seed, _STEP_STREAM, self.global_step, micro, self.global_rank)
         random.seed(step_seed)
         np.random.seed(step_seed % 2**32)
         torch.manual_seed(step_seed)
@@ -114,22 +162,60 @@ class Classifier(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, targets = batch
         if self.mixup_fn is not None and len(images) % 2 == 0:  # timm's Mixup pairs samples: even batches only
-            images, soft = self.mixup_fn(images, targets)
+            images, soft = self._mix(images, targets)
             loss = SoftTargetCrossEntropy()(self(images), soft)
         else:
             loss = F.cross_entropy(self(images), targets, label_smoothing=self.hparams.label_smoothing)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(images))
+        log = {"on_step": True, "on_epoch": True, "batch_size": len(images), "sync_dist": True}
+        self.log("train/loss", loss, prog_bar=True, **log)
         return loss
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+    def _mix(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """timm's Mixup; a clip (B, C, T, H, W) is mixed as (B, C T, H, W), so that cutmix cuts one (H, W) box
+        through every frame (timm cuts dims 2 and 3 with a box drawn for the last two: T and H of a clip)."""
+        if images.ndim == 4:
+            return self.mixup_fn(images, targets)
+        frames = images.reshape(images.shape[0], -1, *images.shape[-2:])
+        frames, soft = self.mixup_fn(frames, targets)
+        return frames.reshape(images.shape), soft
+
+    def _accuracy(self, stage: str, dataloader_idx: int) -> MulticlassAccuracy:
+        key = f"{stage}_{dataloader_idx}"
+        if key not in self.accuracies:
+            metric = MulticlassAccuracy(num_classes=self.hparams.num_classes, average="micro")
+            self.accuracies[key] = metric.to(self.device)
+        return self.accuracies[key]
+
+    def _metric_name(self, stage: str, dataloader_idx: int) -> tuple[str, bool]:
+        """``<stage>/acc@<size><unit>`` when the data module names the sizes of several loaders (then without
+        Lightning's ``/dataloader_idx_k`` suffix), else ``<stage>/acc``."""
+        loaders = self.trainer.test_dataloaders if stage == "test" else self.trainer.val_dataloaders
+        count = len(loaders) if isinstance(loaders, (list, tuple)) else 1
+        datamodule = getattr(self.trainer, "datamodule", None)
+        sizes = getattr(datamodule, "eval_sizes", None)
+        if stage == "test" and count > 1 and sizes is not None and len(sizes) == count:
+            return f"test/acc@{sizes[dataloader_idx]}{getattr(datamodule, 'size_label', '')}", False
+        return f"{stage}/acc", True
+
+    def _eval_step(self, stage: str, batch: tuple[torch.Tensor, torch.Tensor], dataloader_idx: int) -> None:
         images, targets = batch
         logits = self(images)
-        self.val_acc.update(logits, targets)
-        self.log("val/loss", F.cross_entropy(logits, targets), sync_dist=True, batch_size=len(images))
-        self.log("val/acc", self.val_acc, prog_bar=True, on_epoch=True, batch_size=len(images))
+        metric = self._accuracy(stage, dataloader_idx)
+        metric.update(logits, targets)
+        name, add_idx = self._metric_name(stage, dataloader_idx)
+        loss = F.cross_entropy(logits, targets)
+        log = {"batch_size": len(images), "add_dataloader_idx": add_idx}
+        self.log(name.replace("/acc", "/loss"), loss, sync_dist=True, **log)
+        attribute = f"accuracies.{stage}_{dataloader_idx}"  # added after Lightning listed the metric attributes
+        self.log(name, metric, prog_bar=stage == "val", on_epoch=True, metric_attribute=attribute, **log)
 
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.validation_step(batch, batch_idx)
+    def validation_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._eval_step("val", batch, dataloader_idx)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._eval_step("test", batch, dataloader_idx)
 
     def global_batch_size(self) -> int:
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -141,17 +227,27 @@ class Classifier(L.LightningModule):
     def configure_optimizers(self):
         lr = self.hparams.base_lr * self.global_batch_size() / self.hparams.lr_batch_reference
         optimizer = create_optimizer_v2(self.model, opt=self.hparams.opt, lr=lr, weight_decay=self.hparams.weight_decay)
-        epochs = max(self.trainer.max_epochs or 1, 1)
-        updates_per_epoch = max(int(self.trainer.estimated_stepping_batches // epochs), 1)
-        scheduler, _ = create_scheduler_v2(
+        # the schedule in optimizer updates: all of them (max_epochs or max_steps, whichever ends the run first),
+        # and an epoch's worth (the last window of an epoch updates too, as Lightning does)
+        total = int(self.trainer.estimated_stepping_batches)
+        self.trainer.fit_loop.setup_data()  # the batches per epoch (estimated_stepping_batches skips it for max_steps)
+        batches = self.trainer.num_training_batches
+        per_epoch = (
+            total if batches == float("inf") else max(math.ceil(batches / self.trainer.accumulate_grad_batches), 1)
+        )
+        warmup = round(self.hparams.warmup_epochs * per_epoch)
+        if warmup >= total:
+            rank_zero_warn(
+                f"warmup_epochs={self.hparams.warmup_epochs} is {warmup} updates, but the run has {total}: the "
+                "learning rate never leaves the warm-up"
+            )
+        scheduler = CosineLRScheduler(
             optimizer,
-            sched="cosine",
-            num_epochs=epochs,
-            warmup_epochs=self.hparams.warmup_epochs,
-            min_lr=self.hparams.min_lr,
-            warmup_lr=self.hparams.warmup_lr,
-            step_on_epochs=False,
-            updates_per_epoch=updates_per_epoch,
+            t_initial=total,
+            lr_min=self.hparams.min_lr,
+            warmup_t=warmup,
+            warmup_lr_init=self.hparams.warmup_lr,
+            t_in_epochs=False,
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
