@@ -22,3 +22,26 @@ def test_unknown_option_and_bad_dims():
         visionpe.create_pos_embed("rope_axial", dim="64", num_heads=2)
     with pytest.raises(ValueError, match="depth must be a positive int, got 0"):
         visionpe.create_pos_embed("rope_axial", dim=64, num_heads=2, depth=0)
+
+
+# Position parameters that keep weight decay: CPE's conv kernels (CPVT excludes only their biases) and the MLP of
+# the learnable Fourier features (ordinary layers; only the frequencies W_r are excluded).
+DECAYED_POSITION_PARAMETERS = {
+    "cpe": {"pegs.0.proj.weight"},
+    "fourier": {"encoder.mlp.0.weight", "encoder.mlp.2.weight"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(visionpe.list_schemes()))
+def test_weight_decay_skips_every_learned_position_parameter(name):
+    """Learned position tables, frequencies, generators (LieRE, ComRoPE), STRING's P and iRPE's tables are kept out
+    of weight decay by timm's optimizer factory (it decays the >= 2-D parameters not in no_weight_decay)."""
+    import timm
+    from timm.optim import create_optimizer_v2
+
+    model = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=name, depth=2, img_size=32, patch_size=8)
+    optimizer = create_optimizer_v2(model, opt="adamw", lr=1e-3, weight_decay=0.05)
+    decayed = {id(p) for group in optimizer.param_groups if group["weight_decay"] > 0 for p in group["params"]}
+    prefix = f"pos_schemes.{name}."
+    position = {n.removeprefix(prefix): p for n, p in model.named_parameters() if n.startswith(prefix)}
+    assert {n for n, p in position.items() if id(p) in decayed} == DECAYED_POSITION_PARAMETERS.get(name, set())

@@ -120,6 +120,10 @@ class LearnableFourierPosEmbed(AbsolutePositionEncoding):
         self.ndims, self.coord_mode, self.dim = (ndim,), coord_mode, dim
         self.encoder = LearnableFourierFeatures(ndim, dim, num_groups, fourier_dim, hidden_dim, gamma)
 
+    def no_weight_decay(self) -> set[str]:
+        """The Fourier frequencies W_r (the MLP's weights are ordinary layers and keep weight decay)."""
+        return {"encoder.freqs"}
+
     def positions(self, grid_size: tuple[int, ...], device=None) -> torch.Tensor:
         """(N, G, ndim) positions of the patches of ``grid_size`` in this scheme's coordinate mode."""
         grid_size = self.check_grid(grid_size)

@@ -87,6 +87,12 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
     def ndims(self) -> tuple[int, ...]:
         return (self.ndim,)
 
+    def no_weight_decay(self) -> set[str]:
+        """Every learned generator parameter (LieRE's, ComRoPE's blocks and LD multipliers): they set the rotation
+        rates, the role RoPE-Mixed's learned frequencies play (which its reference keeps out of weight decay), and
+        weight decay would pull them towards the identity rotation."""
+        return {name for name, _ in self.named_parameters(recurse=False)}
+
     @abstractmethod
     def generators(self, layer: int) -> torch.Tensor:
         """(num_heads | 1, num_blocks, ndim, b, b) skew-symmetric generators of block ``layer``."""

@@ -157,7 +157,8 @@ class StringCayley(StringBase):
         return cayley_orthogonal(skew_from_params(self.skew_params, self.head_dim))
 
     def no_weight_decay(self) -> set[str]:
-        return {"freqs"}
+        """The frequencies and the skew parameters of P (decay would pull P towards the identity, i.e. RoPE)."""
+        return {"freqs", "skew_params"}
 
 
 def fold_string_(model: nn.Module) -> nn.Module:
