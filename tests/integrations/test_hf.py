@@ -10,7 +10,7 @@ import torch
 from visionpe.multimodal import get_position_ids, list_multimodal_schemes
 
 transformers = pytest.importorskip("transformers")
-from visionpe.integrations.hf import apply_position_scheme  # noqa: E402
+from visionpe.integrations.hf import apply_position_scheme, remove_position_scheme  # noqa: E402
 
 IMAGE, VIDEO, VSTART, VEND = 100, 101, 102, 103
 TEXT = dict(
@@ -186,16 +186,137 @@ def test_unsupported_model_and_bad_options():
         apply_position_scheme(model, "mrope_abs_time", second_per_grid_ts=[1.0])
 
 
-def test_abs_time_with_transformers_continuation_reproduces_qwen25_on_video():
+@pytest.mark.parametrize(
+    "frames, fps",
+    [
+        (4, 4),  # spg 0.5: the float interval that must not collapse
+        (26, 25),  # spg float32(0.08): frame 25 is t = 4 in transformers' float32 product (3 in float64)
+        (6, 2 / 0.7),  # spg 0.7: every 5th frame
+    ],
+)
+def test_abs_time_with_transformers_continuation_reproduces_qwen25_on_video(frames, fps):
     model = tiny_model("qwen2_5_vl")
-    inputs = batch([IMAGES[0], [(2, (4, 4, 4))]])
-    inputs["second_per_grid_ts"] = torch.tensor([0.5])  # fps 4: the float interval that must not collapse
+    inputs = batch([IMAGES[0], [(2, (frames, 4, 4))]])
+    inputs["second_per_grid_ts"] = torch.tensor([2 / fps])  # float32, as the processor returns it
     patched = apply_position_scheme(copy.deepcopy(model), "mrope_abs_time", continuation="spatial_extent")
     legacy = apply_position_scheme(copy.deepcopy(model), "mrope_abs_time")
     with torch.no_grad():
         ref = model(**inputs).logits
         torch.testing.assert_close(patched(**inputs).logits, ref, rtol=0, atol=1e-5)
         assert (legacy(**inputs).logits - ref).abs().max() > 1e-4  # the original rule differs after a video
+
+
+def _logits(model, inputs):
+    model.model.rope_deltas = None
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        (("mrope", {}), ("videorope", {})),
+        (("mhrope", {}), ("mrope", {})),
+        (("v2pe", {"delta": 0.5}), ("v2pe", {})),
+        (("videorope", {"delta": 1.0}), ("mrope_abs_time", {"continuation": "spatial_extent"})),
+    ],
+    ids=lambda pair: pair[0],
+)
+def test_reapplying_a_scheme_equals_applying_it_to_a_fresh_model(first, second):
+    model = tiny_model("qwen2_5_vl")
+    inputs = batch([IMAGES[0], [(2, (4, 4, 4))]])
+    inputs["second_per_grid_ts"] = torch.tensor([0.5])
+    fresh = apply_position_scheme(copy.deepcopy(model), second[0], **second[1])
+    twice = apply_position_scheme(copy.deepcopy(model), first[0], **first[1])
+    first_logits = _logits(twice, inputs)
+    assert apply_position_scheme(twice, second[0], **second[1]) is twice
+    assert twice.visionpe_scheme == second[0]
+    assert torch.equal(_logits(twice, inputs), _logits(fresh, inputs))
+    if first != second:
+        assert not torch.equal(first_logits, _logits(fresh, inputs))
+
+
+@pytest.mark.parametrize("family, scheme", [("qwen2_vl", "videorope"), ("qwen2_5_vl", "mhrope"), ("qwen3_vl", "v2pe")])
+def test_remove_position_scheme_restores_the_model(family, scheme):
+    model = tiny_model(family)
+    # (Qwen3-VL videos need timestamp text between the frames, which batch() does not write)
+    inputs = batch(IMAGES if family == "qwen3_vl" else [IMAGES[0], [(2, (4, 4, 4))]])
+    if family == "qwen2_5_vl":
+        inputs["second_per_grid_ts"] = torch.tensor([0.5])
+    ref = _logits(model, inputs)
+    patched = copy.deepcopy(model)
+    own_rotary = patched.model.language_model.rotary_emb
+    keys = set(patched.state_dict())
+    apply_position_scheme(patched, "mrope")
+    apply_position_scheme(patched, scheme)
+    assert set(patched.state_dict()) == keys
+    assert not torch.equal(_logits(patched, inputs), ref)
+    assert remove_position_scheme(patched) is patched
+    assert patched.model.language_model.rotary_emb is own_rotary
+    assert "get_rope_index" not in vars(patched.model) and not hasattr(patched, "visionpe_scheme")
+    assert torch.equal(_logits(patched, inputs), ref)
+    with torch.no_grad():  # generate too (cached decoding, fresh rope_deltas)
+        gen_ref, gen_out = model.generate(**inputs, **GEN), patched.generate(**inputs, **GEN)
+    assert torch.equal(gen_ref.sequences, gen_out.sequences)
+    for step_ref, step_out in zip(gen_ref.logits, gen_out.logits, strict=True):
+        assert torch.equal(step_out, step_ref)
+    assert remove_position_scheme(patched) is patched  # a no-op on an unpatched model
+    assert torch.equal(_logits(patched, inputs), ref)
+    apply_position_scheme(patched, scheme)  # and it can be patched again
+    assert patched.visionpe_scheme == scheme
+
+
+def test_removed_scheme_follows_dtype_moves():
+    # The model's own rotary is kept inside the patch, so .to() after patching reaches it.
+    model = tiny_model("qwen2_vl")
+    inputs = batch(IMAGES)
+    patched = apply_position_scheme(copy.deepcopy(model), "videorope").double()
+    remove_position_scheme(patched)
+    assert torch.equal(_logits(patched, inputs), _logits(model.double(), inputs))
+
+
+BAD_OPTIONS = [
+    ("mrope", {"continuation": "bogus"}, ValueError, r"continuation must be one of \('max_plus_one', .*got 'bogus'"),
+    ("mrope_abs_time", {"continuation": 3}, ValueError, "continuation must be one of .*got 3"),
+    ("v2pe", {"delta": -1.0}, ValueError, r"delta must be positive and finite, got \[-1.0\]"),
+    ("v2pe", {"delta": "x"}, TypeError, r"delta must be a number or a \(B,\) tensor, got str"),
+    ("videorope", {"delta": float("nan")}, ValueError, "delta must be positive and finite"),
+    ("hope", {"temporal_scale": 0}, ValueError, "temporal_scale must be positive and finite"),
+    ("mrope_abs_time", {"tokens_per_second": 0}, ValueError, "tokens_per_second must be positive and finite, got 0"),
+    ("mrope_abs_time", {"tokens_per_second": "2"}, TypeError, "tokens_per_second must be a number, got str"),
+    ("mrope_abs_time", {"fractional_time": 1}, TypeError, "fractional_time must be a bool, got int"),
+    ("mrope_interleaved", {"spatial_reset": "yes"}, TypeError, "spatial_reset must be a bool, got str"),
+    ("circle_rope", {"alpha": 2.0}, ValueError, r"alpha must be a number in \[0, 1\], got 2.0"),
+    ("mrope", {"mrope_section": 5}, TypeError, r"mrope_section must be a list or tuple of three .*got int \(5\)"),
+    ("mrope", {"mrope_section": (2, 3, 4)}, ValueError, r"mrope_section \(2, 3, 4\) must sum to num_pairs=8"),
+    ("mrope", {"mrope_section": (1, 2)}, ValueError, "mrope_section must be three non-negative ints"),
+    ("v2pe", {"mrope_section": (2, 3, 3)}, ValueError, "'single_axis' allocation, which takes no mrope_section"),
+]
+BAD_OPTION_IDS = [f"{scheme}-{k}={v!r}" for scheme, options, *_ in BAD_OPTIONS for k, v in options.items()]
+
+
+@pytest.mark.parametrize("patched_before", [False, True])
+@pytest.mark.parametrize("scheme, options, error, message", BAD_OPTIONS, ids=BAD_OPTION_IDS)
+def test_bad_option_values_fail_before_patching(scheme, options, error, message, patched_before):
+    model = tiny_model("qwen2_vl")
+    inputs = batch(IMAGES)
+    ref = _logits(model, inputs)
+    if patched_before:
+        apply_position_scheme(model, "videorope")
+    before = _logits(model, inputs)
+    rotary = model.model.language_model.rotary_emb
+    with pytest.raises(error, match=message):
+        apply_position_scheme(model, scheme, **options)
+    assert model.model.language_model.rotary_emb is rotary
+    assert getattr(model, "visionpe_scheme", None) == ("videorope" if patched_before else None)
+    assert torch.equal(_logits(model, inputs), before)
+    apply_position_scheme(model, "mrope")  # a later valid call works: M-RoPE reproduces Qwen2-VL on images
+    torch.testing.assert_close(_logits(model, inputs), ref, rtol=0, atol=1e-5)
+
+
+def test_per_sample_option_tensor_is_still_accepted():
+    model = apply_position_scheme(tiny_model("qwen2_vl"), "v2pe", delta=torch.tensor([0.5, 0.25]))
+    assert torch.isfinite(_logits(model, batch(IMAGES))).all()
 
 
 def test_import_without_transformers():

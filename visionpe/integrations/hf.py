@@ -7,23 +7,28 @@ model's rotary embedding). Decoding with a KV cache keeps working unchanged: tra
 row of the ids by one per new token (``generate``) or adds the stored ``rope_deltas`` to
 ``cumsum(attention_mask) - 1`` (``forward`` with a cache), and visionpe returns deltas in that convention.
 
-transformers is optional (``pip install visionpe[vlm]``); it is imported when this function is called.
+Applying another scheme to a patched model replaces the first one (both are built from the model's own rotary
+settings), and ``remove_position_scheme(model)`` puts the model's own modules back.
+
+transformers is optional (``pip install visionpe[vlm]``); it is imported when these functions are called.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import types
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..multimodal.allocation import ALLOCATIONS
 from ..multimodal.ids import get_position_ids
 from ..multimodal.registry import get_multimodal_scheme
 from ..multimodal.rotary import MultimodalRotary, apply_multimodal_rotary
 
-__all__ = ["apply_position_scheme", "SUPPORTED_MODELS"]
+__all__ = ["apply_position_scheme", "remove_position_scheme", "SUPPORTED_MODELS"]
 
 # class name of the inner model -> transformers module that defines it
 SUPPORTED_MODELS = {
@@ -57,11 +62,17 @@ def _scaled_section(default: tuple[int, int, int], num_pairs: int) -> tuple[int,
 
 
 class _HFRotary(nn.Module):
-    """Drop-in for the language model's ``rotary_emb``: ``forward(x, position_ids) -> (cos, sin)`` in x's dtype."""
+    """Drop-in for the language model's ``rotary_emb``: ``forward(x, position_ids) -> (cos, sin)`` in x's dtype.
 
-    def __init__(self, rotary: MultimodalRotary) -> None:
+    It keeps what it replaced: the model's own rotary module (a submodule, so that ``.to()`` moves it along; its
+    buffers are non-persistent and stay out of the state dict) and any ``get_rope_index`` set on the instance.
+    """
+
+    def __init__(self, rotary: MultimodalRotary, original: nn.Module, original_get_rope_index: Any = None) -> None:
         super().__init__()
         self.rotary = rotary
+        self.original = original
+        self.original_get_rope_index = original_get_rope_index
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary(position_ids.to(x.device), dtype=x.dtype)
@@ -95,12 +106,21 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
     Returns:
         The same model; ``model.visionpe_scheme`` records the scheme.
 
+    Raises:
+        TypeError, ValueError: for an unsupported model, an unknown scheme or option, or an option value the
+            scheme does not accept (the message names the argument, what it takes and what it got). Every
+            option is checked before anything is patched: after an error the model is as it was.
+
     With ``scheme="mrope"`` on Qwen2-VL the logits equal the unpatched model's on image inputs (both
     continuation rules agree there); on videos visionpe defaults to the original Qwen2-VL rule
     (``continuation="max_plus_one"``), pass ``continuation="spatial_extent"`` for transformers 5.x's.
     Head-wise allocations (``mhrope``) produce per-head tables (B, H_kv, L, D); for them the model family's
     ``apply_rotary_pos_emb`` is replaced, once per process, by a version that routes 4-D tables to
     :func:`~visionpe.multimodal.apply_multimodal_rotary` and everything else to the original.
+
+    On a model patched before, the new scheme replaces the old one and is built from the model's own rotary
+    settings, as on a fresh model: ``apply_position_scheme(apply_position_scheme(m, "mrope"), "videorope")``
+    behaves as ``apply_position_scheme(m, "videorope")``. :func:`remove_position_scheme` undoes the patch.
     """
     try:
         importlib.import_module("transformers")
@@ -116,6 +136,10 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
         )
     if "second_per_grid_ts" in design_kwargs:
         raise ValueError("second_per_grid_ts is a per-call input: pass it to forward() / generate(), not here")
+    current_rotary = vl_model.language_model.rotary_emb
+    patched_before = isinstance(current_rotary, _HFRotary)
+    # the model's own rotary module, also when a scheme was applied before (its settings are the defaults)
+    original_rotary = current_rotary.original if patched_before else current_rotary
     text_config = vl_model.config.text_config
     vision_config = vl_model.config.vision_config
     rope = dict(getattr(text_config, "rope_parameters", None) or {})
@@ -126,7 +150,7 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
 
     rotary_kwargs: dict[str, Any] = {}
     if "mrope_section" in kwargs:
-        rotary_kwargs["mrope_section"] = tuple(kwargs["mrope_section"])
+        rotary_kwargs["mrope_section"] = _checked_section(kwargs["mrope_section"], scheme, entry.allocation)
     elif entry.allocation in _ALLOCATION_DEFAULTS:
         own = tuple(rope.get("mrope_section") or ())
         fits = len(own) == 3 and sum(own) == num_pairs
@@ -141,7 +165,6 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
         )
     if entry.allocation == "head":
         rotary_kwargs["num_kv_heads"] = text_config.num_key_value_heads
-    original_rotary = vl_model.language_model.rotary_emb
     rotary = MultimodalRotary.from_scheme(
         scheme,
         head_dim,
@@ -152,6 +175,7 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
     spatial_merge_size = int(vision_config.spatial_merge_size)
     if scheme == "mrope_abs_time" and "tokens_per_second" not in design_kwargs:
         design_kwargs["tokens_per_second"] = float(getattr(vision_config, "tokens_per_second", 2))
+    _check_design_options(scheme, design_kwargs, spatial_merge_size)
     takes_time = "second_per_grid_ts" in entry.design_options()
     splits_videos = class_name == "Qwen3VLModel"
 
@@ -186,12 +210,83 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
             **options,
         )
 
+    # Everything above only reads the model; from here on it is patched.
+    own_get_rope_index = (
+        current_rotary.original_get_rope_index if patched_before else vl_model.__dict__.get("get_rope_index")
+    )
     vl_model.get_rope_index = types.MethodType(get_rope_index, vl_model)
-    vl_model.language_model.rotary_emb = _HFRotary(rotary).to(original_rotary.inv_freq.device)
+    wrapper = _HFRotary(rotary, original_rotary, own_get_rope_index)
+    vl_model.language_model.rotary_emb = wrapper.to(original_rotary.inv_freq.device)
     vl_model.rope_deltas = None
     if rotary.per_head:
         modeling = importlib.import_module(SUPPORTED_MODELS[class_name])
         if not hasattr(modeling.apply_rotary_pos_emb, "visionpe_original"):
             modeling.apply_rotary_pos_emb = _dispatching_apply(modeling.apply_rotary_pos_emb)
     model.visionpe_scheme = scheme
+    vl_model.visionpe_scheme = scheme
     return model
+
+
+def remove_position_scheme(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply_position_scheme`, in place: the model runs with its own position scheme again.
+
+    The language model's own rotary module and the class's ``get_rope_index`` are put back, the cached
+    ``rope_deltas`` are cleared and ``visionpe_scheme`` is deleted, so the logits equal the unpatched model's
+    exactly. A model that is not patched is returned unchanged. The process-wide ``apply_rotary_pos_emb``
+    dispatcher installed for head-wise schemes stays: it passes the model's own (B, L, D) tables to the original.
+
+    Args:
+        model: a model (or inner ``*Model``) accepted by :func:`apply_position_scheme`.
+
+    Returns:
+        The same model.
+
+    Example:
+        >>> apply_position_scheme(model, "videorope")  # doctest: +SKIP
+        >>> remove_position_scheme(model)  # doctest: +SKIP
+    """
+    try:
+        importlib.import_module("transformers")
+    except ImportError as err:
+        raise ImportError("remove_position_scheme needs transformers: pip install visionpe[vlm]") from err
+    vl_model, _ = _inner_model(model)
+    current = vl_model.language_model.rotary_emb
+    if isinstance(current, _HFRotary):
+        vl_model.language_model.rotary_emb = current.original
+        vl_model.__dict__.pop("get_rope_index", None)
+        if current.original_get_rope_index is not None:
+            vl_model.get_rope_index = current.original_get_rope_index
+        vl_model.rope_deltas = None
+    for obj in (model, vl_model):
+        obj.__dict__.pop("visionpe_scheme", None)
+    return model
+
+
+def _checked_section(section: Any, scheme: str, allocation: str) -> tuple[int, ...]:
+    """``mrope_section`` as a tuple, if the scheme's allocation takes one; its values are checked by the allocation."""
+    if "mrope_section" not in inspect.signature(ALLOCATIONS[allocation]).parameters:
+        raise ValueError(f"{scheme} uses the {allocation!r} allocation, which takes no mrope_section; got {section!r}")
+    if not isinstance(section, (list, tuple)):
+        raise TypeError(
+            f"mrope_section must be a list or tuple of three non-negative ints (t, h, w), "
+            f"got {type(section).__name__} ({section!r})"
+        )
+    return tuple(section)
+
+
+def _check_design_options(scheme: str, options: dict[str, Any], spatial_merge_size: int) -> None:
+    """Run the scheme's position design once on a one-image batch, so that bad option values fail here.
+
+    A (B,) tensor option (per-sample values) sets the batch size of the trial run.
+    """
+    batch_size = 1
+    for value in options.values():
+        if isinstance(value, torch.Tensor) and value.ndim == 1 and value.numel():
+            batch_size = value.numel()
+    types_ = torch.tensor([[0, 1, 0]]).expand(batch_size, -1)
+    image_grid = torch.tensor([[1, spatial_merge_size, spatial_merge_size]]).repeat(batch_size, 1)
+    try:
+        get_position_ids(scheme, types_, image_grid, spatial_merge_size=spatial_merge_size, pad_value=0, **options)
+    except (TypeError, ValueError) as err:
+        kind = TypeError if isinstance(err, TypeError) else ValueError
+        raise kind(f"apply_position_scheme({scheme!r}): {err}") from err

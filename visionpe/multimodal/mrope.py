@@ -4,8 +4,10 @@ Wang et al., "Qwen2-VL: Enhancing Vision-Language Model's Perception of the Worl
 arXiv 2409.12191, 2024; Bai et al., "Qwen2.5-VL Technical Report", arXiv 2502.13923, 2025.
 
 Visual token (t, i, j) of a block starting at s sits at (s + tau(t), s + i, s + j); text at (p, p, p).
-Qwen2-VL: tau(t) = t. Qwen2.5-VL: tau(t) = floor(t * second_per_grid * tokens_per_second), multiplied in
-float and truncated once at the end (casting second_per_grid to int first collapses fps-4 video to t = 0).
+Qwen2-VL: tau(t) = t. Qwen2.5-VL: tau(t) = floor(t * (tokens_per_second * second_per_grid)), multiplied in
+float and truncated once at the end (casting second_per_grid to int first collapses fps-4 video to t = 0). As in
+transformers, the products are taken in second_per_grid's own dtype (float32 from the processor), so that
+rounding lands on the same integers (25 * (2 * fl32(0.08)) is 4.0 in float32 but 3.99999994 in float64).
 
 After a block the text continues at (max over the block's three rows) + 1 in the original Qwen code
 (``continuation="max_plus_one"``, the default) and at s + max(H', W') in transformers 5.x
@@ -49,11 +51,13 @@ def mrope_abs_time_design(
     fractional_time: bool = False,
     continuation: str = "max_plus_one",
 ) -> DesignOutput:
-    """Qwen2.5-VL: temporal id floor(t * second_per_grid_ts[v] * tokens_per_second); images use t = 0.
+    """Qwen2.5-VL: temporal id floor(t * (tokens_per_second * second_per_grid_ts[v])); images use t = 0.
 
     Args:
         second_per_grid_ts: (num_videos,) seconds per temporal grid (temporal_patch_size / fps); required
-            whenever there are videos, so that training and generation see the same timing.
+            whenever there are videos, so that training and generation see the same timing. A tensor's
+            products are computed in its dtype and a list's in float64 then the default float dtype, as
+            transformers' ``get_rope_index`` does, so that the ids equal transformers' bit for bit.
         tokens_per_second: temporal ids per second; released checkpoints use 2 (the HF class default is 4),
             read it from ``vision_config.tokens_per_second``.
         fractional_time: keep t * spg * tps as a float instead of truncating it (float ids).
@@ -71,8 +75,42 @@ def mrope_abs_time_design(
             f"mrope_abs_time needs second_per_grid_ts (one value per video, {num_videos} here); timing must be "
             "explicit on every path, generation included"
         )
-    interval = torch.zeros(layout.num_blocks, dtype=torch.float64, device=device)
     if num_videos:
+        interval = _video_intervals(second_per_grid_ts, tokens_per_second, num_videos, device)
+        per_block = torch.zeros(layout.num_blocks, dtype=interval.dtype, device=device)
+        is_video = layout.block_is_video
+        per_block[is_video] = interval[layout.block_video[is_video]]
+        # transformers: (arange(T) * interval).long(), in the interval's dtype; see _video_intervals.
+        temporal = layout.frame.to(interval.dtype) * layout.per_token(per_block)
+        if not fractional_time and temporal.is_floating_point():
+            temporal = temporal.floor()
+        temporal = temporal.double()
+    else:
+        temporal = torch.zeros(layout.frame.shape, dtype=torch.float64, device=device)
+    local = torch.stack([temporal, layout.row.double(), layout.col.double()])
+    return DesignOutput(
+        local=local, advance=continue_after_blocks(layout, local, continuation), integer=not fractional_time
+    )
+
+
+def _video_intervals(
+    second_per_grid_ts: torch.Tensor | list[float], tokens_per_second: float, num_videos: int, device: torch.device
+) -> torch.Tensor:
+    """(num_videos,) temporal ids per grid, ``tokens_per_second * second_per_grid_ts[v]``, as transformers has it.
+
+    transformers (Qwen2.5-VL ``get_rope_index``) multiplies each element by the Python number
+    ``tokens_per_second`` and then ``arange(T)`` by that product, all in the element's dtype, and truncates. A
+    tensor therefore keeps its dtype: the processor's float32 spg = 2 / 25 gives 25 * (2 * spg) = 4.0 in float32,
+    while the float64 product of the same float32 value is 3.99999994 and floors to 3 (one id low at frames 25,
+    50...; spg 0.7 is one low at every 5th frame). Python numbers multiply in float64 and the product becomes the
+    default float dtype when it scales ``arange(T)``, which is what the list branch does.
+    """
+    if isinstance(second_per_grid_ts, torch.Tensor):
+        spg = second_per_grid_ts.detach().to(device).flatten()
+        if spg.dtype == torch.bool or spg.is_complex():
+            raise TypeError(f"second_per_grid_ts must hold real numbers, got dtype {spg.dtype}")
+        interval = spg * tokens_per_second
+    else:
         try:
             spg = torch.as_tensor(second_per_grid_ts, dtype=torch.float64, device=device).flatten()
         except (TypeError, ValueError, RuntimeError) as err:
@@ -80,17 +118,9 @@ def mrope_abs_time_design(
                 f"second_per_grid_ts must be a tensor or list of {num_videos} numbers, got "
                 f"{type(second_per_grid_ts).__name__}"
             ) from err
-        if spg.numel() != num_videos or (spg < 0).any() or not torch.isfinite(spg).all():
-            raise ValueError(
-                f"second_per_grid_ts must hold {num_videos} non-negative finite values (one per video), "
-                f"got {spg.tolist()}"
-            )
-        is_video = layout.block_is_video
-        interval[is_video] = spg[layout.block_video[is_video]] * float(tokens_per_second)
-    temporal = layout.frame.double() * layout.per_token(interval)
-    if not fractional_time:
-        temporal = temporal.floor()
-    local = torch.stack([temporal, layout.row.double(), layout.col.double()])
-    return DesignOutput(
-        local=local, advance=continue_after_blocks(layout, local, continuation), integer=not fractional_time
-    )
+        interval = (spg * float(tokens_per_second)).to(torch.get_default_dtype())
+    if spg.numel() != num_videos or (spg < 0).any() or not torch.isfinite(spg).all():
+        raise ValueError(
+            f"second_per_grid_ts must hold {num_videos} non-negative finite values (one per video), got {spg.tolist()}"
+        )
+    return interval
