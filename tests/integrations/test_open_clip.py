@@ -41,3 +41,43 @@ def test_bad_arguments():
         register_open_clip_model("visionpe-bad", pos_embed="learned", timm_pool="max")
     with pytest.raises(ValueError, match="img_size=30 must be divisible by patch_size=8"):
         register_open_clip_model("visionpe-bad", pos_embed="learned", vision=dict(img_size=30, patch_size=8))
+
+
+@pytest.mark.parametrize("scheme", ["learned", "rope_mixed", "irpe"])
+def test_lock_image_tower_unlocks_the_last_block_and_norm(scheme, tmp_path):
+    """open_clip's lock_image_tower(unlocked_groups=n) follows the tower's group_matcher: position parameters are
+    in the stem group, so one unlocked group is the last block and the final norm, as for timm's own ViT."""
+    name = register_open_clip_model(
+        f"visionpe-lock-{scheme}", pos_embed=scheme, embed_dim=16, vision=VISION, text_cfg=TEXT, config_dir=tmp_path
+    )
+    model = open_clip.create_model(name)
+    model.lock_image_tower(unlocked_groups=1)
+    trainable = {n for n, p in model.visual.trunk.named_parameters() if p.requires_grad}
+    last = {n for n, _ in model.visual.trunk.named_parameters() if n.startswith(("blocks.1.", "norm."))}
+    assert trainable == last
+    model = open_clip.create_model(name)
+    model.lock_image_tower(unlocked_groups=3)  # stem too: everything, position parameters included
+    assert all(p.requires_grad for p in model.visual.trunk.parameters())
+
+
+def test_names_that_map_to_the_same_tower_are_refused(tmp_path):
+    args = dict(pos_embed="learned", embed_dim=16, vision=VISION, text_cfg=TEXT, config_dir=tmp_path)
+    register_open_clip_model("visionpe-same-tower", **args)
+    with pytest.raises(ValueError, match="'visionpe_same_tower'.*'visionpe-same-tower'"):
+        register_open_clip_model("visionpe_same_tower", **{**args, "pos_embed": "rope_mixed"})
+    model = open_clip.create_model("visionpe-same-tower")  # the first registration is intact
+    assert model.visual.trunk.pos_embed_names == ["learned"]
+    register_open_clip_model("visionpe-same-tower", **{**args, "pos_embed": "rope_axial"})  # re-registering: fine
+    assert open_clip.create_model("visionpe-same-tower").visual.trunk.pos_embed_names == ["rope_axial"]
+
+
+def test_text_cfg_is_checked_against_open_clip():
+    with pytest.raises(ValueError, match="text_cfg has unknown key 'widht'"):
+        register_open_clip_model("visionpe-bad-text", pos_embed="learned", text_cfg={"widht": 32})
+    with pytest.raises(TypeError, match="text_cfg\\['width'\\] must be int, got str"):
+        register_open_clip_model("visionpe-bad-text", pos_embed="learned", text_cfg={"width": "x"})
+    with pytest.raises(ValueError, match="text_cfg\\['layers'\\] must be positive"):
+        register_open_clip_model("visionpe-bad-text", pos_embed="learned", text_cfg={"layers": 0})
+    with pytest.raises(TypeError, match="text_cfg must be a dict"):
+        register_open_clip_model("visionpe-bad-text", pos_embed="learned", text_cfg=[("width", 32)])
+    assert "visionpe-bad-text" not in open_clip.list_models()

@@ -172,3 +172,157 @@ def test_rotary_with_qk_norm_matches_manual_rotation():
     expected = torch.nn.functional.scaled_dot_product_attention(qk[0], qk[1], v)
     expected = attn.proj(expected.transpose(1, 2).reshape(1, 197, 64))
     assert torch.allclose(attn(x, pos=ctx), expected, atol=1e-5)
+
+
+# -- parameter groups (timm layer-wise lr decay, open_clip lock_image_tower) ---------------------------------------
+TINY = dict(embed_dim=32, depth=3, num_heads=2, img_size=32, patch_size=8, num_classes=0)
+
+
+def _lr_scales(model, layer_decay=0.5):
+    """{parameter name: lr_scale} from timm's create_optimizer_v2(..., layer_decay=...)."""
+    from timm.optim import create_optimizer_v2
+
+    optimizer = create_optimizer_v2(model, "adamw", lr=1.0, weight_decay=0.05, layer_decay=layer_decay)
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    return {by_id[id(p)]: group["lr_scale"] for group in optimizer.param_groups for p in group["params"]}
+
+
+@pytest.mark.parametrize("pos_embed", ["learned", "rope_mixed", "irpe", "string_cayley", ["fourier", "rope_mixed"]])
+def test_layer_decay_puts_position_parameters_with_the_stem(pos_embed):
+    """As timm's pos_embed: group 0 with patch_embed, so layer decay scales them like the stem, not like the head."""
+    from timm.models import group_parameters
+
+    model = _model(pos_embed, **TINY)
+    position = [n for n, _ in model.named_parameters() if n.startswith("pos_schemes.")]
+    assert position
+    groups = group_parameters(model, model.group_matcher())
+    assert sorted(groups) == [0, 1, 2, 3]  # stem, blocks 0 and 1, block 2 + norm: no extra group
+    assert set(position) <= set(groups[0]) and "patch_embed.proj.weight" in groups[0]
+    scales = _lr_scales(model)
+    assert {scales[n] for n in position} == {scales["patch_embed.proj.weight"]} == {0.5**3}
+    assert scales["blocks.2.attn.qkv.weight"] == scales["norm.weight"] == 1.0
+
+
+def test_cpe_peg_is_grouped_with_the_block_it_follows():
+    from timm.models import group_modules, group_parameters
+
+    model = _model("cpe", pos_embed_kwargs={"insert_after": (0, 2)}, **TINY)
+    layer = group_parameters(model, model.group_matcher(), reverse=True)
+    assert layer["pos_schemes.cpe.pegs.0.proj.weight"] == layer["blocks.0.attn.qkv.weight"] == 1
+    assert layer["pos_schemes.cpe.pegs.1.proj.bias"] == layer["blocks.2.mlp.fc1.weight"] == layer["norm.weight"] == 3
+    assert group_modules(model, model.group_matcher(), reverse=True)["pos_schemes.cpe.pegs.1.proj"] == 3
+    scales = _lr_scales(model)
+    assert scales["pos_schemes.cpe.pegs.0.proj.weight"] == scales["blocks.0.norm1.weight"] == 0.25
+
+
+def test_layer_decay_with_a_head_keeps_the_head_on_top():
+    model = _model(["learned", "rope_axial"], **{**TINY, "num_classes": 5})
+    scales = _lr_scales(model)
+    assert scales["head.weight"] == 1.0 and scales["norm.weight"] == 0.5
+    assert scales["pos_schemes.learned.pos_embed"] == scales["cls_token"] == 0.5**4
+
+
+# -- no_embed_class (DeiT III / register ViTs) -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(no_embed_class=True),
+        dict(no_embed_class=True, reg_tokens=2),
+        dict(no_embed_class=True, reg_tokens=1, class_token=False, global_pool="avg"),
+    ],
+)
+def test_no_embed_class_checkpoint_matches_timm(extra, tmp_path):
+    """timm's no_embed_class reaches the learned table: a timm checkpoint loads to the same logits."""
+    args = dict(depth=1, embed_dim=32, num_heads=2, img_size=32, patch_size=8, num_classes=5, **extra)
+    src = timm.create_model("vit_tiny_patch16_224", **args).eval()
+    torch.nn.init.normal_(src.pos_embed, std=0.5)  # a table that matters
+    dst = _model("learned", **args).eval()
+    assert dst.pos_schemes["learned"].no_embed_class and dst.pos_schemes["learned"].pos_embed.shape == (1, 16, 32)
+    report = visionpe.load_timm_state_dict(dst, src.state_dict())
+    assert not report.added and not report.dropped
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(dst(x), src(x), rtol=0, atol=1e-6)
+    torch.save(src.state_dict(), tmp_path / "deit3.pth")
+    overlay = {"file": str(tmp_path / "deit3.pth"), "num_classes": 5}
+    loaded = _model("learned", pretrained=True, pretrained_cfg_overlay=overlay, **args).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), src(x), rtol=0, atol=1e-6)
+
+
+def test_no_embed_class_through_pos_embed_kwargs_and_conflicts():
+    model = _model("learned", pos_embed_kwargs={"no_embed_class": True}, reg_tokens=1)
+    assert model.no_embed_class and model.pos_schemes["learned"].pos_embed.shape[1] == 14 * 14
+    assert _model(["learned", "rope_mixed"], no_embed_class=True).pos_schemes["learned"].no_embed_class
+    with pytest.raises(ValueError, match="no_embed_class=False contradicts pos_embed_kwargs\\['learned'\\]"):
+        _model("learned", no_embed_class=False, pos_embed_kwargs={"no_embed_class": True})
+
+
+# -- forward_intermediates: timm 1.0's signature -----------------------------------------------------------------
+def test_forward_intermediates_signature_matches_timm():
+    import inspect
+
+    from timm.models.vision_transformer import VisionTransformer
+
+    ours = inspect.signature(visionpe.VisionPEViT.forward_intermediates).parameters
+    theirs = inspect.signature(VisionTransformer.forward_intermediates).parameters
+    assert [(p.name, p.default) for p in ours.values()] == [(p.name, p.default) for p in theirs.values()]
+
+
+def test_forward_intermediates_output_dict_matches_timm():
+    """Same weights in timm's own ViT (learned table): the same dict, key for key."""
+    args = dict(depth=2, embed_dim=32, num_heads=2, img_size=32, patch_size=8, num_classes=5, reg_tokens=1)
+    src = timm.create_model("vit_tiny_patch16_224", **args).eval()
+    dst = _model("learned", **args).eval()
+    visionpe.load_timm_state_dict(dst, src.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    for kw in (
+        dict(output_dict=True),
+        dict(output_dict=True, return_prefix_tokens=True, indices=[0], norm=True),
+        dict(output_dict=True, intermediates_only=True, output_fmt="NLC"),
+    ):
+        with torch.no_grad():
+            ours, theirs = dst.forward_intermediates(x, **kw), src.forward_intermediates(x, **kw)
+        assert isinstance(ours, dict) and ours.keys() == theirs.keys(), kw
+        for key in theirs:
+            torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=1e-6)
+    with torch.no_grad():  # and the tuple / list forms
+        final, feats = dst.forward_intermediates(x, indices=1, return_prefix_tokens=True)
+        ref_final, ref_feats = src.forward_intermediates(x, indices=1, return_prefix_tokens=True)
+    torch.testing.assert_close(final, ref_final, rtol=0, atol=1e-6)
+    torch.testing.assert_close(feats, ref_feats, rtol=0, atol=1e-6)
+
+
+def test_forward_intermediates_without_prefix_tokens_returns_plain_features():
+    model = _model("rope_mixed", class_token=False, global_pool="avg", **{**TINY, "depth": 2}).eval()
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        feats = model.forward_intermediates(x, return_prefix_tokens=True, intermediates_only=True)
+        out = model.forward_intermediates(x, return_prefix_tokens=True, output_dict=True)
+    assert all(isinstance(f, torch.Tensor) and f.shape == (1, 32, 4, 4) for f in feats)
+    assert set(out) == {"image_intermediates", "image_features"}
+
+
+# -- loading checkpoints through timm's factory ------------------------------------------------------------------
+def test_pretrained_visionpe_checkpoint_of_another_scheme_fails_loudly(tmp_path):
+    args = dict(depth=1, embed_dim=32, num_heads=2, img_size=32, patch_size=8, num_classes=5)
+    torch.save(_model(["learned", "rope_mixed"], **args).state_dict(), tmp_path / "ckpt.pth")
+    overlay = {"file": str(tmp_path / "ckpt.pth"), "num_classes": 5}
+    with pytest.raises(ValueError, match="missing position keys \\['pos_schemes.irpe.tables.k'\\], unexpected"):
+        _model("irpe", pretrained=True, pretrained_cfg_overlay=overlay, **args)
+    with pytest.raises(ValueError, match="unexpected position keys \\['pos_schemes.rope_mixed.freqs'\\]"):
+        _model("learned", pretrained=True, pretrained_cfg_overlay=overlay, **args)
+    # the same schemes load; a head of another size is still dropped by timm (why the load is not strict)
+    src = _model(["learned", "rope_mixed"], **args)
+    torch.save(src.state_dict(), tmp_path / "ckpt.pth")
+    dst = _model(["learned", "rope_mixed"], pretrained=True, pretrained_cfg_overlay={"file": overlay["file"]}, **args)
+    assert torch.equal(dst.pos_schemes["rope_mixed"].freqs, src.pos_schemes["rope_mixed"].freqs)
+    assert torch.equal(dst.blocks[0].attn.qkv.weight, src.blocks[0].attn.qkv.weight)
+
+
+def test_load_timm_state_dict_rejects_non_tensors():
+    model = _model("learned", **TINY)
+    with pytest.raises(TypeError, match="got str at key 'pos_embed'"):
+        visionpe.load_timm_state_dict(model, {"pos_embed": "x"})
+    with pytest.raises(TypeError, match="keys must be parameter names"):
+        visionpe.load_timm_state_dict(model, {0: torch.zeros(1)})

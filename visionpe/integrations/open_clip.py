@@ -10,15 +10,17 @@ that names it, so that ``open_clip.create_model(name)`` returns the CLIP model. 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import tempfile
 import types
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from timm.models import build_model_with_cfg, register_model
+from timm.models import build_model_with_cfg, is_model, register_model
 
 from ..models.vit import VisionPEViT, normalize_schemes
 
@@ -28,7 +30,10 @@ __all__ = ["register_open_clip_model", "register_visionpe_tower"]
 _TOWERS = sys.modules.setdefault(
     "visionpe_open_clip_towers", types.ModuleType("visionpe_open_clip_towers", "timm towers for open_clip")
 )
+# tower name -> the open_clip name that registered it (kept on that module too, so that it survives a reload)
+_TOWER_OWNERS: dict[str, str] = _TOWERS.__dict__.setdefault("open_clip_names", {})
 _CONFIG_DIR: Path | None = None
+_POSITIVE_TEXT_SIZES = ("context_length", "vocab_size", "width", "heads", "layers", "mlp_ratio")
 
 
 def register_visionpe_tower(
@@ -91,7 +96,9 @@ def register_visionpe_tower(
             extra = kwargs.pop(key, None)
             cfg.update(extra if isinstance(extra, dict) else {})
         kwargs.pop("cache_dir", None)
-        return build_model_with_cfg(VisionPEViT, tower_name, False, pretrained_cfg=cfg, **{**defaults, **kwargs})
+        args = {**defaults, **kwargs}
+        feature_cfg = dict(out_indices=args.pop("out_indices", 3), feature_cls="getter")  # as timm's ViT
+        return build_model_with_cfg(VisionPEViT, tower_name, False, pretrained_cfg=cfg, feature_cfg=feature_cfg, **args)
 
     entrypoint.__name__ = entrypoint.__qualname__ = tower_name
     entrypoint.__module__ = _TOWERS.__name__
@@ -125,6 +132,12 @@ def register_open_clip_model(
     Returns:
         ``name``.
 
+    Raises:
+        ValueError: on bad options, a ``text_cfg`` key that open_clip's ``CLIPTextCfg`` lacks, or a ``name`` whose
+            timm tower name (``visionpe_clip_`` + ``name`` with non-alphanumerics as ``_``) is already taken by
+            another open_clip name (e.g. ``"clip-x"`` after ``"clip_x"``); re-registering the same name replaces it.
+        TypeError: ``vision`` or ``text_cfg`` not a dict, or a ``text_cfg`` value of the wrong type.
+
     Example:
         >>> import open_clip, torch
         >>> from visionpe.integrations.open_clip import register_open_clip_model
@@ -148,10 +161,21 @@ def register_open_clip_model(
     for arg, value in (("vision", vision), ("text_cfg", text_cfg)):
         if value is not None and not isinstance(value, dict):
             raise TypeError(f"{arg} must be a dict or None, got {type(value).__name__}")
+    text_cfg = _check_text_cfg(text_cfg or {})
     vision = dict(vision or {})
-    tower = register_visionpe_tower(
-        "visionpe_clip_" + "".join(c if c.isalnum() else "_" for c in name), pos_embed=pos_embed, **vision
-    )
+    if "pos_embed" in vision:
+        raise ValueError("pass the vision scheme as pos_embed=..., not inside vision")
+    tower = "visionpe_clip_" + "".join(c if c.isalnum() else "_" for c in name)
+    owner = _TOWER_OWNERS.get(tower)
+    if owner is not None and owner != name:
+        raise ValueError(
+            f"open_clip model name {name!r} maps to the timm tower {tower!r}, already registered for the open_clip "
+            f"model {owner!r}; choose a name that differs from {owner!r} in more than punctuation"
+        )
+    if owner is None and is_model(tower):
+        raise ValueError(f"open_clip model name {name!r} maps to the timm tower {tower!r}, which timm already has")
+    register_visionpe_tower(tower, pos_embed=pos_embed, **vision)
+    _TOWER_OWNERS[tower] = name
     config = {
         "embed_dim": embed_dim,
         "vision_cfg": {
@@ -161,7 +185,7 @@ def register_open_clip_model(
             "timm_proj": "linear",
             "image_size": vision.get("img_size", 224),
         },
-        "text_cfg": dict(text_cfg or {}),
+        "text_cfg": text_cfg,
     }
     if config_dir is None:
         if _CONFIG_DIR is None:
@@ -172,3 +196,31 @@ def register_open_clip_model(
     path.write_text(json.dumps(config, indent=2))
     open_clip.add_model_config(path)
     return name
+
+
+def _check_text_cfg(text_cfg: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``text_cfg`` checked against open_clip's ``CLIPTextCfg``: known fields, values of the field's type
+    (sizes positive), JSON-serialisable. ValueError on an unknown key or a bad value, TypeError on a wrong type."""
+    from open_clip.model import CLIPTextCfg
+
+    fields = {f.name: f for f in dataclasses.fields(CLIPTextCfg)}
+    hints = typing.get_type_hints(CLIPTextCfg)
+    for key, value in text_cfg.items():
+        if key not in fields:
+            raise ValueError(f"text_cfg has unknown key {key!r}; open_clip's CLIPTextCfg takes {sorted(fields)}")
+        types_ = (hints[key], *typing.get_args(hints[key]))
+        if value is None and (fields[key].default is None or type(None) in types_):
+            continue
+        kind = next((t for t in (bool, int, float, str, dict) if t in types_), None)
+        if kind is None:
+            continue
+        accepted = (int, float) if kind is float else kind
+        if not isinstance(value, accepted) or (kind is not bool and isinstance(value, bool)):
+            raise TypeError(f"text_cfg[{key!r}] must be {kind.__name__}, got {type(value).__name__} {value!r}")
+        if key in _POSITIVE_TEXT_SIZES and value <= 0:
+            raise ValueError(f"text_cfg[{key!r}] must be positive, got {value!r}")
+    try:
+        json.dumps(text_cfg)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"text_cfg must be JSON-serialisable (it is written to the model config): {e}") from e
+    return dict(text_cfg)

@@ -2,7 +2,9 @@
 
 Importing :mod:`visionpe` registers the models. There are no pretrained visionpe weights; to start from a
 pretrained timm ViT, load its state dict with :func:`visionpe.load_timm_state_dict`, or pass a checkpoint file
-through ``pretrained=True, pretrained_cfg_overlay={"file": path}`` (converted the same way).
+through ``pretrained=True, pretrained_cfg_overlay={"file": path}`` (converted the same way; a visionpe checkpoint
+must carry exactly the model's position schemes). ``features_only=True`` works as for timm's ViT (per-block
+(B, C, H, W) maps through ``forward_intermediates``, the last 3 blocks unless ``out_indices`` says otherwise).
 """
 
 from __future__ import annotations
@@ -47,27 +49,53 @@ default_cfgs = generate_default_cfgs(
 
 
 def _filter_fn(state_dict, model):
+    """timm's ``pretrained_filter_fn``: a timm ViT or visionpe checkpoint -> a state dict for ``model``.
+
+    The load that follows is not strict (``pretrained_strict=False``) so that a vanilla timm checkpoint can fill a
+    model whose position parameters it lacks (they keep their init, its ``pos_embed`` goes to a learned table or
+    is dropped) and so that timm can drop a classifier of another ``num_classes``. A visionpe checkpoint carries
+    its scheme's parameters, so for it a scheme mismatch (position keys missing or unexpected) is an error here.
+    """
     if "model" in state_dict:
         state_dict = state_dict["model"]
-    if any(k.startswith("pos_schemes.") for k in state_dict):
-        # already a visionpe checkpoint: only a learned table from another grid changes (resampled); every other
-        # key goes to timm's loader as it is, so that a mismatch still fails loudly
-        learned = "pos_schemes.learned.pos_embed"
-        if learned in state_dict and learned in model.state_dict():
-            return {**state_dict, **convert_timm_state_dict({learned: state_dict[learned]}, model)[0]}
-        return state_dict
-    return convert_timm_state_dict(state_dict, model)[0]
+    state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
+    try:
+        if any(k.startswith("pos_schemes.") for k in state_dict):
+            # already a visionpe checkpoint: only a learned table from another grid changes (resampled); every
+            # other key goes to timm's loader as it is (a shape mismatch fails there)
+            _check_same_schemes(state_dict, model)
+            learned = "pos_schemes.learned.pos_embed"
+            if learned in state_dict and learned in model.state_dict():
+                return {**state_dict, **convert_timm_state_dict({learned: state_dict[learned]}, model)[0]}
+            return state_dict
+        return convert_timm_state_dict(state_dict, model)[0]
+    except TypeError as e:  # timm retries a filter that raises TypeError with one argument, hiding the cause
+        raise ValueError(f"cannot load the checkpoint into {type(model).__name__}: {e}") from e
+
+
+def _check_same_schemes(state_dict, model) -> None:
+    """ValueError naming the position-scheme keys of a visionpe checkpoint that ``model`` lacks or needs."""
+    ours = {k for k in model.state_dict() if k.startswith("pos_schemes.")}
+    theirs = {k for k in state_dict if k.startswith("pos_schemes.")}
+    missing, unexpected = sorted(ours - theirs), sorted(theirs - ours)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint was saved with other position schemes than the model's pos_embed={model.pos_embed_names}: "
+            f"missing position keys {missing}, unexpected position keys {unexpected}"
+        )
 
 
 def _create(variant: str, size: str, pretrained: bool, **kwargs) -> VisionPEViT:
     args = dict(patch_size=16, **_SIZES[size])
     args.update(kwargs)
+    out_indices = args.pop("out_indices", 3)  # as timm's ViT: features_only returns the last 3 blocks by default
     return build_model_with_cfg(
         VisionPEViT,
         variant,
         pretrained,
         pretrained_filter_fn=_filter_fn,
         pretrained_strict=False,
+        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
         **args,
     )
 
@@ -97,6 +125,11 @@ def visionpe_vit_large_patch16_224(pretrained: bool = False, **kwargs) -> Vision
 
 
 def _create_video(variant: str, size: str, pretrained: bool, **kwargs) -> VideoPEViT:
+    if kwargs.get("features_only"):
+        raise ValueError(
+            f"{variant} does not support features_only=True: a video ViT has no 2D feature maps; "
+            "use forward_features for its (B, P + N, C) tokens"
+        )
     args = dict(patch_size=16, num_frames=16, tubelet_size=2, **_SIZES[size])
     args.update(kwargs)
     return build_model_with_cfg(VideoPEViT, variant, pretrained, **args)

@@ -40,6 +40,13 @@ def convert_timm_state_dict(
         raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
     if not hasattr(model, "pos_schemes"):
         raise TypeError(f"model must be a visionpe VisionPEViT, got {type(model).__name__}")
+    for key, value in state_dict.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"state_dict must map names to tensors, got {type(value).__name__} at key {key!r}"
+                if isinstance(key, str)
+                else f"state_dict keys must be parameter names (str), got {key!r}"
+            )
     state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
     target = model.state_dict()
     out, report = {}, LoadReport()

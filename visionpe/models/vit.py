@@ -8,6 +8,7 @@ the blocks (so that each receives a :class:`~visionpe.attention.PositionContext`
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,8 +83,10 @@ class VisionPEViT(VisionTransformer):
         pos_embed: scheme name or list of names (``["learned", "rope_mixed"]`` is rope-vit's Mixed + APE).
         pos_embed_kwargs: options per scheme, ``{"rope_axial": {"base": 100}}`` (or flat for one scheme).
         **kwargs: timm ``VisionTransformer`` arguments (``img_size``, ``dynamic_img_size``, ``class_token``...).
+            ``no_embed_class`` (DeiT III, register ViTs) goes to the ``learned`` table, as in timm.
 
-    Input ``(B, 3, H, W)`` -> logits ``(B, num_classes)``.
+    Input ``(B, 3, H, W)`` -> logits ``(B, num_classes)``. ``group_matcher`` puts position parameters in the stem
+    group (timm's layer-wise lr decay, open_clip's ``lock_image_tower``), ``forward_intermediates`` is timm's.
     """
 
     def __init__(
@@ -102,11 +105,25 @@ class VisionPEViT(VisionTransformer):
         for key in ("block_fn", "attn_layer"):
             if key in kwargs:
                 raise ValueError(f"{key} is set by VisionPEViT, got {key}={kwargs[key]!r}")
+        no_embed_class = kwargs.get("no_embed_class")  # None: not given
+        for name, opts in schemes.items():
+            if no_embed_class is not None and opts.get("no_embed_class", no_embed_class) != no_embed_class:
+                raise ValueError(
+                    f"no_embed_class={no_embed_class!r} contradicts "
+                    f"pos_embed_kwargs[{name!r}]['no_embed_class']={opts['no_embed_class']!r}"
+                )
         super().__init__(pos_embed="none", block_fn=PosBlock, **kwargs)
         check_img_size(self.patch_embed.img_size, self.patch_embed.patch_size, self.patch_embed.dynamic_img_pad)
         depth, num_heads = len(self.blocks), self.blocks[0].attn.num_heads
         grid_size = tuple(self.patch_embed.grid_size)
-        context = {"grid_size": grid_size, "num_prefix_tokens": self.num_prefix_tokens, "ndim": len(grid_size)}
+        # timm's no_embed_class (DeiT III, register ViTs: the learned table has no rows for prefix tokens) goes to
+        # every scheme that takes it (``learned``); the others never add an absolute embedding to prefix tokens.
+        context = {
+            "grid_size": grid_size,
+            "num_prefix_tokens": self.num_prefix_tokens,
+            "ndim": len(grid_size),
+            "no_embed_class": self.no_embed_class,
+        }
         self.pos_schemes = nn.ModuleDict()
         for name, opts in schemes.items():
             params = inspect.signature(get_scheme_class(name).__init__).parameters
@@ -122,6 +139,42 @@ class VisionPEViT(VisionTransformer):
                     f"after blocks {after}; got patch_drop_rate={kwargs['patch_drop_rate']}"
                 )
         self.pos_embed_names = list(schemes)
+        if no_embed_class is None and any(getattr(m, "no_embed_class", False) for m in self.pos_schemes.values()):
+            self.no_embed_class = True  # set through pos_embed_kwargs: keep timm's attribute in step
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """Parameter groups for timm's layer-wise lr decay and open_clip's ``lock_image_tower(unlocked_groups=n)``.
+
+        As timm's ViT: group 0 is the stem (patch embedding, prefix tokens, ``norm_pre``), then one group per block,
+        the last block sharing its group with the final ``norm``; the head (when there is one) comes last.
+        Position parameters go with the stem, as timm's ``pos_embed`` does: learned and Fourier tables, rotary
+        frequencies and bias tables act on every block, and schemes with per-layer values hold all layers in one
+        tensor (e.g. ``rope_mixed.freqs`` of shape (depth, ...)), which cannot be split between groups.
+        The exception is a module applied after one particular block: CPE's PEG after block ``i``
+        (``pos_schemes.cpe.pegs.<j>`` for ``insert_after[j] == i``) goes with block ``i``, whose output it
+        convolves, as timm's Twins groups each ``pos_block`` with the block it follows.
+        """
+        after_block = self._position_modules_after_blocks()
+        per_block = "|".join(re.escape(prefix) for prefix in after_block)
+        not_per_block = rf"(?!(?:{per_block})(?:\.|$))" if per_block else ""
+        return dict(
+            stem=rf"^{not_per_block}(?:cls_token|reg_token|pos_embed|patch_embed|norm_pre|pos_schemes(?:\.|$))",
+            blocks=[
+                *((rf"^{re.escape(prefix)}(?:\.|$)", (block,)) for prefix, block in after_block.items()),
+                (r"^blocks\.(\d+)", None),
+                (r"^norm", (99999,)),
+            ],
+        )
+
+    def _position_modules_after_blocks(self) -> dict[str, int]:
+        """{module name: block index} for position modules that run after one block (CPE's PEGs)."""
+        out = {}
+        for name, scheme in self.pos_schemes.items():
+            after, pegs = getattr(scheme, "insert_after", ()), getattr(scheme, "pegs", None)
+            if after and isinstance(pegs, nn.ModuleList) and len(pegs) == len(after):
+                out.update({f"pos_schemes.{name}.pegs.{j}": block for j, block in enumerate(after)})
+        return out
 
     # -- position state -------------------------------------------------------------------------------------
     def _schemes(self, kind: str) -> list[nn.Module]:
@@ -219,20 +272,25 @@ class VisionPEViT(VisionTransformer):
         stop_early: bool = False,
         output_fmt: str = "NCHW",
         intermediates_only: bool = False,
+        output_dict: bool = False,
         attn_mask: torch.Tensor | None = None,
         is_causal: bool = False,
     ):
-        """timm's feature-extraction API: (final tokens, [per-block features]) or the features alone.
+        """timm's feature-extraction API (same signature and outputs as timm 1.0's ``VisionTransformer``).
 
         ``indices``: last n blocks if int, all if None, else those block indices. Features are (B, C, H, W) with
-        ``output_fmt="NCHW"`` or (B, N, C) with ``"NLC"``; with ``return_prefix_tokens`` each is (spatial, prefix).
+        ``output_fmt="NCHW"`` or (B, N, C) with ``"NLC"``. Returns (final tokens, [features]), or the features
+        alone with ``intermediates_only``; with ``return_prefix_tokens`` (and prefix tokens in the model) each
+        feature is (spatial, prefix). With ``output_dict`` a dict: ``image_intermediates``, plus
+        ``image_intermediates_prefix`` (with ``return_prefix_tokens``) and ``image_features`` (unless
+        ``intermediates_only``).
         """
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         batch, _, height, width = x.shape
         feat_h, feat_w = self.patch_embed.dynamic_feat_size((height, width))
-        intermediates = []
+        intermediates, prefixes = [], []
         tokens = x
         for i, tokens in enumerate(self._blocks(x, attn_mask, is_causal, last=max_index if stop_early else None)):
             if i in take_indices:
@@ -240,7 +298,18 @@ class VisionPEViT(VisionTransformer):
                 spatial, prefix = y[:, self.num_prefix_tokens :], y[:, : self.num_prefix_tokens]
                 if output_fmt == "NCHW":
                     spatial = spatial.reshape(batch, feat_h, feat_w, -1).permute(0, 3, 1, 2).contiguous()
-                intermediates.append((spatial, prefix) if return_prefix_tokens else spatial)
+                intermediates.append(spatial)
+                prefixes.append(prefix)
+        with_prefix = return_prefix_tokens and self.num_prefix_tokens > 0  # timm: no prefix part without prefixes
+        if output_dict:
+            out = {"image_intermediates": intermediates}
+            if with_prefix:
+                out["image_intermediates_prefix"] = prefixes
+            if not intermediates_only:
+                out["image_features"] = self.norm(tokens)
+            return out
+        if with_prefix:
+            intermediates = list(zip(intermediates, prefixes, strict=True))
         if intermediates_only:
             return intermediates
         return self.norm(tokens), intermediates
