@@ -332,6 +332,7 @@ def test_moving_digits_determinism():
         ({"eval_frames": (8, 1)}, ValueError, r"eval_frames\[1\] must be >= 2"),
         ({"digit_size": 40}, ValueError, "digit_size = 40 must not exceed img_size = 32"),
         ({"speeds": ()}, TypeError, "speeds must be a non-empty sequence"),
+        ({"speeds": (1, 16)}, ValueError, r"speeds must be < img_size / 2 = 16 pixels per frame .*got \[1, 16\]"),
         ({"num_clips": 0}, ValueError, "num_clips must be >= 1"),
     ],
 )

@@ -470,6 +470,11 @@ class MovingDigitsDataModule(L.LightningDataModule):
         if self.digit_size > self.img_size:
             raise ValueError(f"digit_size = {digit_size} must not exceed img_size = {img_size}")
         self.speeds = _check_int_tuple("speeds", speeds)
+        if 2 * max(self.speeds) >= self.img_size:  # the canvas wraps: s and img_size - s look the same way round
+            raise ValueError(
+                f"speeds must be < img_size / 2 = {self.img_size / 2:g} pixels per frame (beyond, a motion looks like "
+                f"the opposite one on the wrapping canvas), got {list(self.speeds)}"
+            )
         if isinstance(train_fraction, bool) or not isinstance(train_fraction, (int, float)):
             raise TypeError(f"train_fraction must be a float, got {type(train_fraction).__name__}")
         if not 0.0 < train_fraction < 1.0:
