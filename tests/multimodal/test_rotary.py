@@ -2,11 +2,13 @@ import pytest
 import torch
 
 from visionpe.multimodal import (
+    Allocation,
     MultimodalRotary,
     apply_multimodal_rotary,
     build_allocation,
     get_position_ids,
     list_multimodal_schemes,
+    rotate_half,
 )
 
 
@@ -140,3 +142,112 @@ def test_matches_transformers_rotary_tables():
         ref_cos, ref_sin = cls(config)(torch.zeros(1, dtype=torch.float32), pos)
         cos, sin = MultimodalRotary(32, base=1e6, allocation=name, mrope_section=tuple(section))(pos)
         assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+
+
+def _interleaved_rule(num_pairs, section):
+    """B4 by the letter: pair n -> h if n % 3 == 1 and n < 3 s_h, -> w if n % 3 == 2 and n < 3 s_w, else t."""
+    return [
+        1 if n % 3 == 1 and n < 3 * section[1] else 2 if n % 3 == 2 and n < 3 * section[2] else 0
+        for n in range(num_pairs)
+    ]
+
+
+@pytest.mark.parametrize("num_pairs", range(1, 20))
+def test_interleaved_allocation_honours_every_section_it_accepts(num_pairs):
+    sections = [(num_pairs - h - w, h, w) for h in range(num_pairs + 1) for w in range(num_pairs + 1 - h)]
+    for section in sections:
+        rule = _interleaved_rule(num_pairs, section)
+        honoured = tuple(rule.count(a) for a in range(3)) == section
+        if honoured:
+            got = axes("interleaved", num_pairs=num_pairs, mrope_section=section)
+            assert got == rule and tuple(got.count(a) for a in range(3)) == section, section
+        else:
+            with pytest.raises(ValueError, match=rf"mrope_section \({section[0]}, .*num_pairs={num_pairs}"):
+                build_allocation("interleaved", num_pairs=num_pairs, mrope_section=section)
+
+
+@pytest.mark.parametrize(
+    "num_pairs, section, fits",
+    [(32, (10, 11, 11), "s_h <= 11 and s_w <= 10"), (4, (0, 2, 2), "s_h <= 1 and s_w <= 1")],
+)
+def test_interleaved_allocation_rejects_sections_it_cannot_honour(num_pairs, section, fits):
+    # These were accepted and gave (11, 11, 10) and (2, 1, 1) pairs per axis.
+    with pytest.raises(ValueError, match=rf"mrope_section \(.*\) does not fit .*num_pairs={num_pairs}.*{fits}"):
+        build_allocation("interleaved", num_pairs=num_pairs, mrope_section=section)
+    # the largest sections that fit are accepted: Qwen3.5's (11, 11, 10) on 32 pairs
+    assert [axes("interleaved", num_pairs=32, mrope_section=(11, 11, 10)).count(a) for a in range(3)] == [11, 11, 10]
+
+
+def test_rotate_half_checks_its_input():
+    assert rotate_half(torch.arange(4.0)).tolist() == [-2.0, -3.0, 0.0, 1.0]
+    for bad in (torch.arange(5.0), torch.zeros(2, 0), torch.tensor(1.0)):
+        with pytest.raises(ValueError, match=r"x must have an even, non-zero last dimension.*got shape"):
+            rotate_half(bad)
+    with pytest.raises(TypeError, match="x must be a floating point tensor, got list"):
+        rotate_half([1.0, 2.0])
+    with pytest.raises(TypeError, match="x must be a floating point tensor, got dtype torch.int64"):
+        rotate_half(torch.arange(4))
+
+
+def test_malformed_allocations_are_rejected():
+    with pytest.raises(TypeError, match="mix must be a .* tensor .*got list"):
+        Allocation([[1.0, 0.0, 0.0]] * 4)
+    with pytest.raises(ValueError, match=r"mix must hold finite weights, got NaN or inf in rows \[0, 1, 2, 3\]"):
+        Allocation(torch.full((4, 3), float("nan")))
+    with pytest.raises(ValueError, match=r"mix must be \(P, 3\), one row per pair .*got \(4, 2\)"):
+        Allocation(torch.zeros(4, 2))
+    with pytest.raises(ValueError, match=r"mix must be \(P, 3\), one row per pair .*got \(0, 3\)"):
+        Allocation(torch.zeros(0, 3))
+    with pytest.raises(TypeError, match="mix must be an integer or floating point tensor, got dtype torch.bool"):
+        Allocation(torch.ones(4, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="per_head must be a bool, got str"):
+        Allocation(torch.eye(3), per_head="yes")
+    # an Allocation's mix is a tensor and can be changed in place after construction; MultimodalRotary checks again
+    allocation = build_allocation("chunked", num_pairs=4, mrope_section=(2, 1, 1))
+    allocation.mix[1, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"allocation.mix must hold finite weights, got NaN or inf in rows \[1\]"):
+        MultimodalRotary(8, allocation=allocation)
+    cos, _ = MultimodalRotary(8, allocation=Allocation(torch.eye(3, dtype=torch.long)[[0, 0, 1, 2]]))(
+        torch.ones(3, 1, 2)
+    )
+    assert torch.isfinite(cos).all()
+
+
+def test_forward_dtype_must_be_a_floating_torch_dtype():
+    rot = MultimodalRotary(8, allocation="chunked", mrope_section=(2, 1, 1))
+    ids = torch.ones(3, 1, 2)
+    with pytest.raises(TypeError, match=r"dtype must be a floating point torch.dtype .*got str \('bf16'\)"):
+        rot(ids, dtype="bf16")
+    for bad in (torch.int64, torch.bool, torch.complex64):
+        with pytest.raises(ValueError, match=f"dtype must be a floating point torch.dtype or None, got {bad}"):
+            rot(ids, dtype=bad)
+    cos, sin = rot(ids, dtype=torch.float16)
+    assert cos.dtype == sin.dtype == torch.float16
+
+
+def test_build_allocation_name_must_be_a_string():
+    with pytest.raises(TypeError, match=r"name must be an allocation name \(str\), one of chunked, .*got list"):
+        build_allocation(["chunked"], num_pairs=4)
+
+
+@pytest.mark.parametrize("scheme", list_multimodal_schemes())
+def test_low_precision_tables_are_fp32_tables_cast_at_the_end(scheme):
+    # B12 #7: the angles are fp32 whatever the table dtype (and under autocast); only cos and sin are cast.
+    kw = {"num_kv_heads": 2} if scheme == "mhrope" else {}
+    rot = MultimodalRotary.from_scheme(scheme, 128, base=1e4, **kw)
+    t = 3000.25 + 0.5 * torch.arange(16.0)  # large fractional ids: a bf16 angle would be off by up to 8 rad
+    ids = torch.stack([t, t - 1.75, t + 0.125])[:, None].expand(3, 2, 16)
+    ref_cos, ref_sin = (table.to(torch.bfloat16) for table in rot(ids, dtype=torch.float32))
+    cos, sin = rot(ids, dtype=torch.bfloat16)
+    assert cos.dtype == sin.dtype == torch.bfloat16
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    # the ids discriminate: tables from bf16-rounded angles are different
+    phi = rot.angles(ids).bfloat16().float()
+    assert not torch.equal(torch.cat((phi, phi), -1).cos().to(torch.bfloat16), ref_cos)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto_cos, auto_sin = rot(ids, dtype=torch.bfloat16)
+        auto_cos32, auto_sin32 = rot(ids)
+    assert torch.equal(auto_cos, ref_cos) and torch.equal(auto_sin, ref_sin)
+    ref_cos32, ref_sin32 = rot(ids)
+    assert auto_cos32.dtype == torch.float32
+    assert torch.equal(auto_cos32, ref_cos32) and torch.equal(auto_sin32, ref_sin32)

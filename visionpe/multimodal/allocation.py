@@ -38,6 +38,11 @@ class Allocation:
     mix: torch.Tensor
     per_head: bool = False
 
+    def __post_init__(self) -> None:
+        _check_mix(self.mix)
+        if not isinstance(self.per_head, bool):
+            raise TypeError(f"per_head must be a bool, got {type(self.per_head).__name__} ({self.per_head!r})")
+
     def axis_of(self) -> list[int]:
         """Row read by each pair (or head): its one-hot column, -1 for zero rows, -2 for mixed rows."""
         out = []
@@ -45,6 +50,25 @@ class Allocation:
             nonzero = [a for a, w in enumerate(row) if w != 0]
             out.append(-1 if not nonzero else nonzero[0] if len(nonzero) == 1 and row[nonzero[0]] == 1 else -2)
         return out
+
+
+def _check_mix(mix: torch.Tensor, name: str = "mix") -> None:
+    """Raise unless ``mix`` is a real (P, 3) tensor, P >= 1, of finite weights: one row per pair (or head)."""
+    if not isinstance(mix, torch.Tensor):
+        raise TypeError(f"{name} must be a (P, 3) tensor of finite weights, got {type(mix).__name__}")
+    if mix.dtype == torch.bool or mix.is_complex():
+        raise TypeError(f"{name} must be an integer or floating point tensor, got dtype {mix.dtype}")
+    if mix.ndim != 2 or mix.shape[0] < 1 or mix.shape[1] != 3:
+        raise ValueError(
+            f"{name} must be (P, 3), one row per pair (or (H_kv, 3), one per KV head) and at least one, with one "
+            f"column per row t, h, w; got {tuple(mix.shape)}"
+        )
+    if mix.is_floating_point() and mix.device.type != "meta" and not torch.isfinite(mix).all():
+        raise ValueError(f"{name} must hold finite weights, got NaN or inf in rows {_bad_rows(mix)}")
+
+
+def _bad_rows(mix: torch.Tensor) -> list[int]:
+    return (~torch.isfinite(mix)).any(-1).nonzero()[:, 0].tolist()
 
 
 def _check_section(section: Sequence[int], name: str = "mrope_section") -> tuple[int, int, int]:
@@ -84,8 +108,17 @@ def interleaved_allocation(num_pairs: int, mrope_section: Sequence[int] = (24, 2
     """Qwen3-VL MRoPE-I: pair n -> h if n % 3 == 1 and n < 3 s_h; -> w if n % 3 == 2 and n < 3 s_w; else t."""
     _check_pairs(num_pairs)
     section = _check_section(mrope_section)
-    if sum(section) != num_pairs or 3 * max(section[1], section[2]) > num_pairs + 2:
-        raise ValueError(f"mrope_section {section} must sum to num_pairs={num_pairs} and fit interleaved")
+    if sum(section) != num_pairs:
+        raise ValueError(f"mrope_section {section} must sum to num_pairs={num_pairs} (head_dim // 2)")
+    # The h pairs are 1, 4, ..., 3 s_h - 2 and the w pairs 2, 5, ..., 3 s_w - 1: all of them exist (so that each
+    # axis gets exactly its section) iff 3 s_h - 2 <= P - 1 and 3 s_w - 1 <= P - 1.
+    max_h, max_w = (num_pairs + 1) // 3, num_pairs // 3
+    if section[1] > max_h or section[2] > max_w:
+        raise ValueError(
+            f"mrope_section {section} does not fit the interleaved layout of num_pairs={num_pairs}: it needs "
+            f"3 * s_h <= num_pairs + 1 and 3 * s_w <= num_pairs, i.e. s_h <= {max_h} and s_w <= {max_w}, "
+            f"got s_h={section[1]}, s_w={section[2]}"
+        )
     n = torch.arange(num_pairs)
     axes = torch.zeros(num_pairs, dtype=torch.long)
     axes[(n % 3 == 1) & (n < 3 * section[1])] = 1
@@ -162,6 +195,11 @@ ALLOCATIONS: dict[str, Callable[..., Allocation]] = {
 
 def build_allocation(name: str, *, num_pairs: int, num_kv_heads: int | None = None, **kwargs) -> Allocation:
     """Allocation ``name`` from :data:`ALLOCATIONS` for ``num_pairs`` pairs (``head`` needs ``num_kv_heads``)."""
+    if not isinstance(name, str):
+        raise TypeError(
+            f"name must be an allocation name (str), one of {', '.join(ALLOCATIONS)}; got {type(name).__name__} "
+            f"({name!r})"
+        )
     if name not in ALLOCATIONS:
         raise ValueError(f"unknown allocation {name!r}; valid names: {', '.join(ALLOCATIONS)}")
     if name == "head":

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .allocation import Allocation, build_allocation
+from .allocation import Allocation, _check_mix, build_allocation
 from .registry import get_multimodal_scheme
 
 __all__ = ["MultimodalRotary", "apply_multimodal_rotary", "rotate_half"]
@@ -68,8 +68,10 @@ class MultimodalRotary(nn.Module):
             raise TypeError(f"allocation must be a name or an Allocation, got {type(allocation).__name__}")
         elif allocation_kwargs:
             raise ValueError(f"allocation_kwargs {list(allocation_kwargs)} apply to named allocations only")
-        if allocation.mix.ndim != 2 or allocation.mix.shape[1] != 3:
-            raise ValueError(f"allocation.mix must be (P or H_kv, 3), got {tuple(allocation.mix.shape)}")
+        # Allocation checks its fields when it is built; again here, since its mix tensor can be changed in place.
+        _check_mix(allocation.mix, "allocation.mix")
+        if not isinstance(allocation.per_head, bool):
+            raise TypeError(f"allocation.per_head must be a bool, got {type(allocation.per_head).__name__}")
         if not allocation.per_head and allocation.mix.shape[0] != head_dim // 2:
             raise ValueError(
                 f"allocation has {allocation.mix.shape[0]} pairs but head_dim={head_dim} has {head_dim // 2}"
@@ -129,7 +131,18 @@ class MultimodalRotary(nn.Module):
     def forward(
         self, position_ids: torch.Tensor, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape (B, L, D) or (B, H_kv, L, D), fp32 unless ``dtype`` is given."""
+        """cos, sin of shape (B, L, D) or (B, H_kv, L, D), fp32 unless ``dtype`` (a floating torch dtype) is given.
+
+        The angles and tables are computed in fp32 whatever ``dtype`` is; only the finished cos and sin are cast.
+        """
+        if dtype is not None:
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(
+                    f"dtype must be a floating point torch.dtype (e.g. torch.bfloat16) or None, "
+                    f"got {type(dtype).__name__} ({dtype!r})"
+                )
+            if not dtype.is_floating_point:
+                raise ValueError(f"dtype must be a floating point torch.dtype or None, got {dtype}")
         phi = self.angles(position_ids)
         with torch.autocast(phi.device.type, enabled=False):
             emb = torch.cat((phi, phi), dim=-1)
@@ -140,7 +153,15 @@ class MultimodalRotary(nn.Module):
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension, which must be even and non-empty."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a floating point tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating point tensor, got dtype {x.dtype}")
+    if x.ndim < 1 or x.shape[-1] < 2 or x.shape[-1] % 2:
+        raise ValueError(
+            f"x must have an even, non-zero last dimension (the two halves to rotate), got shape {tuple(x.shape)}"
+        )
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
