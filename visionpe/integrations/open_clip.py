@@ -23,6 +23,7 @@ from typing import Any
 from timm.models import build_model_with_cfg, is_model, register_model
 
 from ..models.vit import VisionPEViT, normalize_schemes
+from .timm import feature_cfg
 
 __all__ = ["register_open_clip_model", "register_visionpe_tower"]
 
@@ -97,8 +98,8 @@ def register_visionpe_tower(
             cfg.update(extra if isinstance(extra, dict) else {})
         kwargs.pop("cache_dir", None)
         args = {**defaults, **kwargs}
-        feature_cfg = dict(out_indices=args.pop("out_indices", 3), feature_cls="getter")  # as timm's ViT
-        return build_model_with_cfg(VisionPEViT, tower_name, False, pretrained_cfg=cfg, feature_cfg=feature_cfg, **args)
+        features = feature_cfg(args)
+        return build_model_with_cfg(VisionPEViT, tower_name, False, pretrained_cfg=cfg, feature_cfg=features, **args)
 
     entrypoint.__name__ = entrypoint.__qualname__ = tower_name
     entrypoint.__module__ = _TOWERS.__name__

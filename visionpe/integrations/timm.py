@@ -85,17 +85,23 @@ def _check_same_schemes(state_dict, model) -> None:
         )
 
 
+def feature_cfg(args: dict) -> dict:
+    """timm's ``feature_cfg`` for a :class:`VisionPEViT`, as timm's ViT builds it: features through
+    ``forward_intermediates`` (``feature_cls="getter"``), the last 3 blocks unless ``args`` has ``out_indices``
+    (popped from ``args``, which then go to the model)."""
+    return dict(out_indices=args.pop("out_indices", 3), feature_cls="getter")
+
+
 def _create(variant: str, size: str, pretrained: bool, **kwargs) -> VisionPEViT:
     args = dict(patch_size=16, **_SIZES[size])
     args.update(kwargs)
-    out_indices = args.pop("out_indices", 3)  # as timm's ViT: features_only returns the last 3 blocks by default
     return build_model_with_cfg(
         VisionPEViT,
         variant,
         pretrained,
         pretrained_filter_fn=_filter_fn,
         pretrained_strict=False,
-        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+        feature_cfg=feature_cfg(args),
         **args,
     )
 
