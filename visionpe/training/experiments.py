@@ -220,7 +220,7 @@ def run_sweep(
     bad_modes = [m for m in extrapolation if m not in EXTRAPOLATION_MODES]
     if bad_modes:
         raise ValueError(f"extrapolation modes must be in {EXTRAPOLATION_MODES}, got {bad_modes}")
-    for name, values in (("schemes", schemes), ("references", references), ("checkpoints", checkpoints)):
+    for name, values in (("schemes", schemes), ("references", references)):  # checkpoints: by resolved path
         _check_distinct(name, values)
     seeds, extrapolation = _check_distinct("seeds", seeds), _check_distinct("extrapolation", extrapolation)
     sizes = _check_distinct("sizes", sizes) if sizes is not None else None
