@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from visionpe.multimodal import get_position_ids, list_multimodal_schemes
+from visionpe.multimodal.allocation import interleaved_allocation
 
 transformers = pytest.importorskip("transformers")
 from visionpe.integrations.hf import apply_position_scheme, remove_position_scheme  # noqa: E402
@@ -30,7 +31,8 @@ TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=
 GEN = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 
-def tiny_model(family: str):
+def tiny_model(family: str, head_dim: int = 16, mrope_section=(4, 2, 2)):
+    """A tiny random model; ``head_dim`` and ``mrope_section`` apply to Qwen3-VL (the others use 8 pairs)."""
     torch.manual_seed(0)
     rope = {"rope_type": "default", "rope_theta": 1e6}
     if family == "qwen2_vl":
@@ -56,7 +58,7 @@ def tiny_model(family: str):
         )
         return transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
     config = transformers.Qwen3VLConfig(
-        text_config={**TEXT, "head_dim": 16, "rope_parameters": {**rope, "mrope_section": [4, 2, 2]}},
+        text_config={**TEXT, "head_dim": head_dim, "rope_parameters": {**rope, "mrope_section": list(mrope_section)}},
         vision_config={
             **VISION,
             "hidden_size": 32,
@@ -254,6 +256,8 @@ def test_remove_position_scheme_restores_the_model(family, scheme):
     assert remove_position_scheme(patched) is patched
     assert patched.model.language_model.rotary_emb is own_rotary
     assert "get_rope_index" not in vars(patched.model) and not hasattr(patched, "visionpe_scheme")
+    assert "compute_3d_position_ids" not in vars(patched.model)
+    assert "_prepare_position_ids_for_generation" not in vars(patched)
     assert torch.equal(_logits(patched, inputs), ref)
     with torch.no_grad():  # generate too (cached decoding, fresh rope_deltas)
         gen_ref, gen_out = model.generate(**inputs, **GEN), patched.generate(**inputs, **GEN)
@@ -352,31 +356,109 @@ def test_missing_token_types_is_an_error_not_all_text_ids(family, scheme):
     pos, _ = model.model.get_rope_index(ids, inputs["mm_token_type_ids"], grid, None, mask)
     all_text, _ = model.model.get_rope_index(ids, torch.zeros_like(ids), None, None, mask)
     assert not torch.equal(pos, all_text)  # with the types, the image tokens get their own positions
-    if family != "qwen2_5_vl":  # transformers' Qwen2.5-VL forward does not check (see the xfail test below)
-        no_types = {k: v for k, v in inputs.items() if k != "mm_token_type_ids"}
-        model.model.rope_deltas = None
-        with torch.no_grad(), pytest.raises(ValueError, match="mm_token_type_ids"):
-            model(**no_types)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="B12 #5 gaps outside the adapter's get_rope_index: transformers 5.x never calls it without "
-    "mm_token_type_ids (or without input_ids) and falls back to 1-D text positions instead",
-)
-@pytest.mark.parametrize("path", ["qwen2_5_vl_forward", "generate", "inputs_embeds"])
-def test_patched_model_has_no_silent_all_text_fallback(path):
-    family = "qwen2_5_vl" if path == "qwen2_5_vl_forward" else "qwen2_vl"
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
+@pytest.mark.parametrize("path", ["forward", "generate", "inputs_embeds"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_model_has_no_silent_all_text_fallback(family, path):
+    # B12 #5: transformers 5.x never calls get_rope_index without mm_token_type_ids (or, in forward, without
+    # input_ids) and falls back to 1-D text positions (Qwen2.5-VL's forward does not even check); with visual inputs,
+    # the patched model raises instead, in forward, in generate and for an inputs_embeds-only forward.
     model = apply_position_scheme(tiny_model(family), "videorope")
     inputs = batch(IMAGES)
-    no_types = {k: v for k, v in inputs.items() if k != "mm_token_type_ids"}
+    del inputs["mm_token_type_ids"]
+    if path == "inputs_embeds":  # without pixel_values: the grids alone are visual inputs
+        del inputs["pixel_values"]
+        inputs["inputs_embeds"] = model.model.get_input_embeddings()(inputs.pop("input_ids"))
+    model.model.rope_deltas = None
+    message = r"visionpe scheme 'videorope' needs mm_token_type_ids .*image_grid_thw came without them"
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        model.generate(**inputs, **GEN) if path == "generate" else model(**inputs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inputs_embeds_with_token_types_get_the_input_ids_positions(family):
+    # With the token types the layout is known without input_ids: forward and generate from inputs_embeds use the
+    # scheme's ids (transformers would use 1-D text positions: logits ~3e-3 off on these tiny models).
+    model = apply_position_scheme(tiny_model(family), "videorope")
+    inputs = batch(IMAGES)
+    embeds = model.model.get_input_embeddings()(inputs["input_ids"])
+    from_embeds = {k: v for k, v in inputs.items() if k != "input_ids"}
+    from_embeds["inputs_embeds"] = embeds
+    torch.testing.assert_close(_logits(model, from_embeds), _logits(model, inputs), rtol=0, atol=1e-5)
     with torch.no_grad():
-        if path == "inputs_embeds":  # the types are given: positions must be those of the input_ids call
-            del inputs["pixel_values"]
-            ref = _logits(model, inputs)
-            embeds = model.model.get_input_embeddings()(inputs.pop("input_ids"))
-            torch.testing.assert_close(_logits(model, dict(inputs, inputs_embeds=embeds)), ref, rtol=0, atol=1e-5)
-            return
         model.model.rope_deltas = None
-        with pytest.raises(ValueError, match="mm_token_type_ids"):
-            model.generate(**no_types, **GEN) if path == "generate" else model(**no_types)
+        ref = model.generate(**inputs, **GEN)
+        model.model.rope_deltas = None
+        out = model.generate(**from_embeds, **GEN)
+    assert torch.equal(out.sequences, ref.sequences[:, inputs["input_ids"].shape[1] :])
+    for step_ref, step_out in zip(ref.logits, out.logits, strict=True):
+        torch.testing.assert_close(step_out, step_ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_text_only_calls_need_no_token_types(family):
+    # All-text ids are right without visual inputs: the patched model equals the unpatched one on text (VideoRoPE's
+    # three rows are equal there), in forward, with inputs_embeds and in generate.
+    model = tiny_model(family)
+    patched = apply_position_scheme(copy.deepcopy(model), "videorope")
+    inputs = {k: v[:, -6:] for k, v in batch([[], []], seed=1).items()}
+    inputs["attention_mask"][1, 0] = 0
+    del inputs["mm_token_type_ids"]
+    embeds = {"inputs_embeds": model.model.get_input_embeddings()(inputs["input_ids"]), **inputs}
+    del embeds["input_ids"]
+    for call in (inputs, embeds):
+        torch.testing.assert_close(_logits(patched, call), _logits(model, call), rtol=0, atol=1e-5)
+    with torch.no_grad():
+        ref, out = model.generate(**inputs, **GEN), patched.generate(**inputs, **GEN)
+    assert torch.equal(out.sequences, ref.sequences)
+    for step_ref, step_out in zip(ref.logits, out.logits, strict=True):
+        torch.testing.assert_close(step_out, step_ref, rtol=0, atol=1e-5)
+
+
+def test_patched_methods_follow_deepcopy_and_removal_through_the_inner_model():
+    model = tiny_model("qwen2_vl")
+    inputs = batch(IMAGES)
+    no_types = {k: v for k, v in inputs.items() if k != "mm_token_type_ids"}
+    patched = apply_position_scheme(copy.deepcopy(model), "videorope")
+    clone = copy.deepcopy(patched)  # the per-instance methods are bound to the copy, not to the original
+    assert clone._prepare_position_ids_for_generation.__self__ is clone
+    assert clone.model.compute_3d_position_ids.__self__ is clone.model
+    with torch.no_grad(), pytest.raises(ValueError, match="mm_token_type_ids"):
+        clone.generate(**no_types, **GEN)
+    # Removed through the inner model, the outer model's generate is the unpatched one again (its method defers).
+    remove_position_scheme(clone.model)
+    assert "compute_3d_position_ids" not in vars(clone.model) and "get_rope_index" not in vars(clone.model)
+    with torch.no_grad():
+        ref, out = model.generate(**inputs, **GEN), clone.generate(**inputs, **GEN)
+    assert torch.equal(out.sequences, ref.sequences)
+    remove_position_scheme(clone)  # and removing through the outer model cleans the rest up
+    assert "_prepare_position_ids_for_generation" not in vars(clone)
+
+
+def test_default_interleaved_section_fits_every_head_size():
+    # B4: pair n -> h if n % 3 == 1 and n < 3 s_h, -> w if n % 3 == 2 and n < 3 s_w, so the default section (for a
+    # model whose own mrope_section does not fit its head size) must keep 3 s_h <= P + 1 and 3 s_w <= P.
+    inputs = batch(IMAGES)
+    del inputs["mm_token_type_ids"], inputs["pixel_values"], inputs["image_grid_thw"]  # text only: runs for any P
+    sections = {}
+    for pairs in range(1, 41):
+        model = apply_position_scheme(
+            tiny_model("qwen3_vl", head_dim=2 * pairs, mrope_section=(pairs + 1, 0, 0)), "mrope_interleaved"
+        )
+        rotary = model.model.language_model.rotary_emb.rotary
+        s_t, s_h, s_w = (int(n) for n in rotary.mix.sum(0).tolist())
+        sections[pairs] = (s_t, s_h, s_w)
+        assert s_t + s_h + s_w == pairs and 3 * s_h <= pairs + 1 and 3 * s_w <= pairs, (pairs, sections[pairs])
+        assert torch.equal(rotary.mix, interleaved_allocation(pairs, sections[pairs]).mix)
+        ideal = [pairs * share / 64 for share in (24, 20, 20)]  # Qwen3-VL's proportions (24, 20, 20)
+        assert all(abs(s - i) <= 1 for s, i in zip(sections[pairs], ideal, strict=True)), (pairs, sections[pairs])
+        spatial = round(pairs * 20 / 64)
+        if 3 * spatial <= pairs:  # where the layout allows it, h == w as before
+            assert sections[pairs] == (pairs - 2 * spatial, spatial, spatial)
+        if pairs in (2, 5):
+            assert torch.isfinite(_logits(model, inputs)).all()
+    assert sections[2] == (1, 1, 0) and sections[5] == (2, 2, 1) and sections[32] == (12, 10, 10)

@@ -7,6 +7,12 @@ model's rotary embedding). Decoding with a KV cache keeps working unchanged: tra
 row of the ids by one per new token (``generate``) or adds the stored ``rope_deltas`` to
 ``cumsum(attention_mask) - 1`` (``forward`` with a cache), and visionpe returns deltas in that convention.
 
+The visual layout comes from ``mm_token_type_ids`` (0 text, 1 image, 2 video), never from the ids or the
+embeddings (SCHEMES.md B12 pitfall #5): a patched model raises a ValueError naming ``mm_token_type_ids`` when
+visual inputs come without them, in ``forward`` and in ``generate``, where transformers would fall back to 1-D text
+positions; with them, an ``inputs_embeds``-only call gets the same positions as the ``input_ids`` one. Text-only calls
+need no token types.
+
 Applying another scheme to a patched model replaces the first one (both are built from the model's own rotary
 settings), and ``remove_position_scheme(model)`` puts the model's own modules back.
 
@@ -55,27 +61,135 @@ def _inner_model(model: nn.Module) -> tuple[nn.Module, str]:
     raise TypeError(f"apply_position_scheme supports {supported}; got {type(model).__name__}")
 
 
-def _scaled_section(default: tuple[int, int, int], num_pairs: int) -> tuple[int, int, int]:
-    """A (t, h, w) split of ``num_pairs`` in the proportions of ``default``, with h == w."""
+def _scaled_section(default: tuple[int, int, int], num_pairs: int, interleaved: bool = False) -> tuple[int, int, int]:
+    """A (t, h, w) split of ``num_pairs`` in the proportions of ``default``, with h == w where the layout allows it.
+
+    For the interleaved allocation (B4: pair n -> h if n % 3 == 1 and n < 3 s_h, -> w if n % 3 == 2 and n < 3 s_w)
+    every section pair must exist, i.e. 3 s_h <= P + 1 and 3 s_w <= P: h and w are each cut to their largest
+    value there and t takes the rest (2 pairs -> (1, 1, 0), 5 pairs -> (2, 2, 1)); splits that already fit stay.
+    """
     spatial = round(num_pairs * default[1] / sum(default))
-    return (num_pairs - 2 * spatial, spatial, spatial)
+    if not interleaved:
+        return (num_pairs - 2 * spatial, spatial, spatial)
+    s_h, s_w = min(spatial, (num_pairs + 1) // 3), min(spatial, num_pairs // 3)
+    return (num_pairs - s_h - s_w, s_h, s_w)
+
+
+_VISUAL_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
+# instance attributes that apply_position_scheme sets: (on the outer model?, name)
+_PATCHED_METHODS = (
+    (False, "get_rope_index"),
+    (False, "compute_3d_position_ids"),
+    (True, "_prepare_position_ids_for_generation"),
+)
+
+
+def _require_token_types(scheme: str, inputs: dict[str, Any]) -> None:
+    """Raise unless ``inputs`` carry ``mm_token_type_ids`` or no visual input (B12 #5: no all-text fallback)."""
+    visual = [name for name in _VISUAL_INPUTS if inputs.get(name) is not None]
+    if visual and inputs.get("mm_token_type_ids") is None:
+        raise ValueError(
+            f"visionpe scheme {scheme!r} needs mm_token_type_ids (0 text, 1 image, 2 video) to place the visual "
+            f"tokens: {', '.join(visual)} came without them. The layout is not read from input_ids or "
+            "inputs_embeds, and falling back to all-text positions would be silently wrong; pass the "
+            "mm_token_type_ids that the processor returns alongside input_ids."
+        )
 
 
 class _HFRotary(nn.Module):
     """Drop-in for the language model's ``rotary_emb``: ``forward(x, position_ids) -> (cos, sin)`` in x's dtype.
 
     It keeps what it replaced: the model's own rotary module (a submodule, so that ``.to()`` moves it along; its
-    buffers are non-persistent and stay out of the state dict) and any ``get_rope_index`` set on the instance.
+    buffers are non-persistent and stay out of the state dict) and, in ``originals``, any instance attribute that
+    the patched methods of ``_PATCHED_METHODS`` shadow (``None`` where there was none, the usual case).
     """
 
-    def __init__(self, rotary: MultimodalRotary, original: nn.Module, original_get_rope_index: Any = None) -> None:
+    def __init__(self, rotary: MultimodalRotary, original: nn.Module, originals: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.rotary = rotary
         self.original = original
-        self.original_get_rope_index = original_get_rope_index
+        self.originals = dict(originals or {})
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary(position_ids.to(x.device), dtype=x.dtype)
+
+
+def _own_method(obj: Any, name: str) -> Any:
+    """``obj``'s method ``name`` as it was before patching: a shadowed instance attribute, else the class's."""
+    wrapper = _wrapper_of(obj.model if name == "_prepare_position_ids_for_generation" else obj)
+    previous = wrapper.originals.get(name) if wrapper is not None else None
+    return previous if previous is not None else getattr(type(obj), name).__get__(obj)
+
+
+def _wrapper_of(vl_model: nn.Module) -> _HFRotary | None:
+    rotary = getattr(getattr(vl_model, "language_model", None), "rotary_emb", None)
+    return rotary if isinstance(rotary, _HFRotary) else None
+
+
+def _compute_3d_position_ids(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """Per-instance ``compute_3d_position_ids`` of a patched model (``forward`` calls it when no position_ids come).
+
+    transformers returns ``None`` (1-D text positions) where it cannot use ``get_rope_index``: without
+    ``mm_token_type_ids`` (Qwen2.5-VL does not check) or without ``input_ids``. Here visual inputs without token
+    types are an error, and with token types an ``inputs_embeds``-only call gets the scheme's ids from them.
+    """
+    own = _own_method(self, "compute_3d_position_ids")
+    if _wrapper_of(self) is None:  # the scheme was removed through a path that left this attribute
+        return own(*args, **kwargs)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [n for n, p in inspect.signature(own).parameters.items() if p.kind in positional]
+    given = {**dict(zip(names, args, strict=False)), **kwargs}  # transformers passes keywords; args are fewer
+    _require_token_types(self.visionpe_scheme, given)
+    types_ = given.get("mm_token_type_ids")
+    has_grid = given.get("image_grid_thw") is not None or given.get("video_grid_thw") is not None
+    cache = given.get("cache", given.get("past_key_values"))
+    cache_length = 0 if cache is None else cache.get_seq_length()
+    if (
+        given.get("input_ids") is None
+        and types_ is not None
+        and has_grid
+        and (self.rope_deltas is None or cache_length == 0)
+    ):
+        # the same branch transformers takes with input_ids: the scheme's ids need only the token types
+        position_ids, self.rope_deltas = self.get_rope_index(
+            None,
+            mm_token_type_ids=types_,
+            image_grid_thw=given.get("image_grid_thw"),
+            video_grid_thw=given.get("video_grid_thw"),
+            attention_mask=given.get("attention_mask"),
+            second_per_grid_ts=given.get("second_per_grid_ts"),
+        )
+        embeds = given.get("inputs_embeds")
+        return position_ids if embeds is None else position_ids.to(embeds.device)
+    return own(*args, **kwargs)
+
+
+def _prepare_position_ids_for_generation(self, inputs_tensor: torch.Tensor, model_kwargs: dict[str, Any]):
+    """Per-instance ``_prepare_position_ids_for_generation`` of a patched ``*ForConditionalGeneration``.
+
+    ``generate`` builds the positions here, once, and passes them to every ``forward``; transformers falls back to
+    text positions without ``mm_token_type_ids`` or when the prompt is ``inputs_embeds``. Visual inputs without
+    token types are an error; with them, an ``inputs_embeds`` prompt gets its ids from the types.
+    """
+    own = _own_method(self, "_prepare_position_ids_for_generation")
+    if _wrapper_of(self.model) is None:  # patched through the outer model, removed through the inner one
+        return own(inputs_tensor, model_kwargs)
+    _require_token_types(self.model.visionpe_scheme, model_kwargs)
+    types_ = model_kwargs.get("mm_token_type_ids")
+    has_grid = model_kwargs.get("image_grid_thw") is not None or model_kwargs.get("video_grid_thw") is not None
+    ids = model_kwargs.get("input_ids")
+    if ids is not None and ids.shape[1] > 0:
+        inputs_tensor = ids
+    is_ids = inputs_tensor.ndim == 2 and inputs_tensor.dtype in (torch.int, torch.long)
+    if types_ is not None and has_grid and not is_ids:
+        # An inputs_embeds prompt: the adapter's get_rope_index reads only the token types, so they stand in for the
+        # input_ids that transformers looks for (same shape: one per prompt token).
+        inputs_tensor = types_.long()
+    return own(inputs_tensor, model_kwargs)
+
+
+_compute_3d_position_ids.visionpe_patch = True
+_prepare_position_ids_for_generation.visionpe_patch = True
 
 
 def _dispatching_apply(original):
@@ -117,6 +231,13 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
     Head-wise allocations (``mhrope``) produce per-head tables (B, H_kv, L, D); for them the model family's
     ``apply_rotary_pos_emb`` is replaced, once per process, by a version that routes 4-D tables to
     :func:`~visionpe.multimodal.apply_multimodal_rotary` and everything else to the original.
+
+    The visual layout comes from ``mm_token_type_ids`` only (SCHEMES.md B12 pitfall #5): the patched ``forward`` and
+    ``generate`` raise a ValueError naming it when visual inputs (``pixel_values``, ``pixel_values_videos``,
+    ``image_grid_thw``, ``video_grid_thw``) come without it, where transformers would use 1-D text positions, and
+    with it an ``inputs_embeds`` prompt gets the same positions as its ``input_ids``. Text-only calls need no token
+    types. ``generate`` is covered when the ``*ForConditionalGeneration`` itself is patched (patching its inner
+    ``*Model`` covers ``forward``).
 
     On a model patched before, the new scheme replaces the old one and is built from the model's own rotary
     settings, as on a fresh model: ``apply_position_scheme(apply_position_scheme(m, "mrope"), "videorope")``
@@ -161,7 +282,11 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
         if entry.allocation == "chunked":
             fits = fits and class_name != "Qwen3VLModel"
         rotary_kwargs["mrope_section"] = (
-            own if fits else _scaled_section(_ALLOCATION_DEFAULTS[entry.allocation], num_pairs)
+            own
+            if fits
+            else _scaled_section(
+                _ALLOCATION_DEFAULTS[entry.allocation], num_pairs, interleaved=entry.allocation == "interleaved"
+            )
         )
     if entry.allocation == "head":
         rotary_kwargs["num_kv_heads"] = text_config.num_key_value_heads
@@ -210,12 +335,24 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
             **options,
         )
 
+    get_rope_index.visionpe_patch = True  # marks the adapter's methods, see remove_position_scheme
+
     # Everything above only reads the model; from here on it is patched.
-    own_get_rope_index = (
-        current_rotary.original_get_rope_index if patched_before else vl_model.__dict__.get("get_rope_index")
-    )
+    outer = model if model is not vl_model else None
+    targets = {name: outer if on_outer else vl_model for on_outer, name in _PATCHED_METHODS}
+    originals = {}
+    for name, obj in targets.items():
+        if obj is None:
+            continue
+        current = obj.__dict__.get(name)
+        if getattr(current, "visionpe_patch", False):  # ours, from an earlier apply: keep what that one replaced
+            current = current_rotary.originals.get(name) if patched_before else None
+        originals[name] = current
     vl_model.get_rope_index = types.MethodType(get_rope_index, vl_model)
-    wrapper = _HFRotary(rotary, original_rotary, own_get_rope_index)
+    vl_model.compute_3d_position_ids = types.MethodType(_compute_3d_position_ids, vl_model)
+    if outer is not None:
+        outer._prepare_position_ids_for_generation = types.MethodType(_prepare_position_ids_for_generation, outer)
+    wrapper = _HFRotary(rotary, original_rotary, originals)
     vl_model.language_model.rotary_emb = wrapper.to(original_rotary.inv_freq.device)
     vl_model.rope_deltas = None
     if rotary.per_head:
@@ -230,10 +367,14 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
 def remove_position_scheme(model: nn.Module) -> nn.Module:
     """Undo :func:`apply_position_scheme`, in place: the model runs with its own position scheme again.
 
-    The language model's own rotary module and the class's ``get_rope_index`` are put back, the cached
+    The language model's own rotary module and the class's ``get_rope_index``, ``compute_3d_position_ids`` and
+    ``_prepare_position_ids_for_generation`` (of a ``*ForConditionalGeneration``) are put back, the cached
     ``rope_deltas`` are cleared and ``visionpe_scheme`` is deleted, so the logits equal the unpatched model's
-    exactly. A model that is not patched is returned unchanged. The process-wide ``apply_rotary_pos_emb``
-    dispatcher installed for head-wise schemes stays: it passes the model's own (B, L, D) tables to the original.
+    exactly. (Patched through the ``*ForConditionalGeneration`` and removed through its inner ``*Model``, the outer
+    model keeps an inert ``_prepare_position_ids_for_generation`` that defers to the class's: remove through the
+    model that was patched.) A model that is not patched is returned unchanged. The process-wide
+    ``apply_rotary_pos_emb`` dispatcher installed for head-wise schemes stays: it passes the model's own (B, L, D)
+    tables to the original.
 
     Args:
         model: a model (or inner ``*Model``) accepted by :func:`apply_position_scheme`.
@@ -251,11 +392,17 @@ def remove_position_scheme(model: nn.Module) -> nn.Module:
         raise ImportError("remove_position_scheme needs transformers: pip install visionpe[vlm]") from err
     vl_model, _ = _inner_model(model)
     current = vl_model.language_model.rotary_emb
+    originals = current.originals if isinstance(current, _HFRotary) else {}
+    outer = model if model is not vl_model else None
+    for on_outer, name in _PATCHED_METHODS:
+        obj = outer if on_outer else vl_model
+        if obj is None or not getattr(obj.__dict__.get(name), "visionpe_patch", False):
+            continue
+        del obj.__dict__[name]
+        if originals.get(name) is not None:
+            setattr(obj, name, originals[name])
     if isinstance(current, _HFRotary):
         vl_model.language_model.rotary_emb = current.original
-        vl_model.__dict__.pop("get_rope_index", None)
-        if current.original_get_rope_index is not None:
-            vl_model.get_rope_index = current.original_get_rope_index
         vl_model.rope_deltas = None
     for obj in (model, vl_model):
         obj.__dict__.pop("visionpe_scheme", None)
