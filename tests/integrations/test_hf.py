@@ -173,7 +173,71 @@ def test_adapter_ids_are_visionpe_ids():
         delta=0.5,
         pad_value=0,
     )
-    assert torch.equal(pos, ref) and torch.equal(delta, ref_delta) and pos.dtype == torch.float32
+    assert torch.equal(pos, ref) and torch.equal(delta, ref_delta)
+    assert pos.dtype == delta.dtype == torch.float64  # fractional ids stay float64 (SCHEMES.md section 0)
+
+
+class _SeenTokens:
+    """A stand-in for a KV cache that only reports how many tokens it holds."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def get_seq_length(self, *_):
+        return self.length
+
+
+def test_v2pe_one_256th_steps_stay_distinct_through_the_adapter_on_a_long_prompt():
+    """70,000 text tokens then an image, V2PE delta = 1/256 (beyond 2^16, where fp32 would merge the steps): the
+    patched get_rope_index, transformers' generation and decoding arithmetic and the patched rotary keep float64
+    ids, distinct per visual token, and every visual token gets its own rotation, accurate to a float64 reference."""
+    long, n_visual, delta = 70_000, 16, 1 / 256
+    model = apply_position_scheme(tiny_model("qwen2_vl"), "v2pe", delta=delta)
+    types = torch.zeros(1, long + n_visual + 4, dtype=torch.long)
+    types[0, long : long + n_visual] = 1
+    input_ids = torch.where(types == 1, IMAGE, 5)
+    mask = torch.ones_like(types)
+    grid = torch.tensor([[1, 8, 8]])
+    pos, rope_deltas = model.model.get_rope_index(input_ids, types, grid, None, mask)
+    assert pos.dtype == rope_deltas.dtype == torch.float64
+    visual = pos[0, 0, long : long + n_visual]
+    assert (visual[1:] - visual[:-1] == delta).all() and visual.min() > 2**16
+    assert not (visual.float()[1:] > visual.float()[:-1]).all()  # what float32 ids would have done
+    # generate: transformers concatenates its int64 text row with the adapter's ids (4, B, L): float64 survives
+    kwargs = dict(attention_mask=mask, mm_token_type_ids=types, image_grid_thw=grid)
+    prepared = model._prepare_position_ids_for_generation(input_ids, dict(kwargs, input_ids=input_ids))
+    assert prepared.dtype == torch.float64 and torch.equal(prepared[1:], pos)
+    assert torch.equal(prepared[0, 0], torch.arange(types.shape[1], dtype=torch.float64))
+    # a cached decoding step: transformers adds the stored float64 rope_deltas to cumsum(mask) - 1
+    model.model.rope_deltas = rope_deltas
+    step = model.model.compute_3d_position_ids(
+        input_ids=input_ids[:, :1],
+        inputs_embeds=torch.zeros(1, 1, TEXT["hidden_size"]),
+        attention_mask=torch.ones(1, types.shape[1] + 1, dtype=torch.long),
+        cache=_SeenTokens(types.shape[1]),
+    )
+    assert step.dtype == torch.float64 and (step[..., -1] == pos.amax() + 1).all()  # the new token's ids
+    # the patched rotary on the visual tokens and the text after them, as the language model calls it
+    window = pos[:, :, long - 1 :]
+    rotary = model.model.language_model.rotary_emb
+    for dtype in (torch.float32, torch.bfloat16):
+        cos, sin = rotary(torch.zeros(1, 1, dtype=dtype), window)
+        assert cos.dtype == sin.dtype == dtype
+    cos, sin = rotary(torch.zeros(1, 1), window)
+    assert (cos[0, 1:] != cos[0, :-1]).any(-1).all()  # every token gets its own rotation
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))
+    phi = (window.permute(1, 2, 0) @ rotary.rotary.mix.double().T) * inv_freq
+    phi = torch.cat((phi, phi), dim=-1)
+    torch.testing.assert_close(cos, phi.cos().float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, phi.sin().float(), rtol=0, atol=1e-6)
+    # and a forward of those tokens at those positions (the ids passed through, as generate passes them)
+    seen = []
+    handle = rotary.register_forward_hook(lambda module, args, out: seen.append((args[1].dtype, out[0])))
+    with torch.no_grad():
+        logits = model(input_ids=input_ids[:, long - 1 :], position_ids=window).logits
+    handle.remove()
+    assert torch.isfinite(logits).all()
+    assert seen[0][0] == torch.float64 and torch.equal(seen[0][1], cos)
 
 
 def test_unsupported_model_and_bad_options():

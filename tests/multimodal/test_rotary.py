@@ -47,26 +47,39 @@ def test_lta_hope_vrope_and_head_allocations():
         build_allocation("spiral", num_pairs=4)
 
 
-def rope_1d(positions, head_dim, base):
-    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    phi = positions.float()[..., None] * inv
+def rope_1d(positions, head_dim, base, dtype=torch.float):
+    inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=dtype) / head_dim))
+    phi = positions.to(dtype)[..., None] * inv
     return torch.cat((phi, phi), -1).cos(), torch.cat((phi, phi), -1).sin()
 
 
 @pytest.mark.parametrize("scheme", [s for s in list_multimodal_schemes() if s not in ("hope", "mhrope")])
 def test_text_only_equals_1d_rope(scheme):
+    """All rows are arange exactly. Integer designs (int64 ids) give transformers' fp32 1-D RoPE bit for bit;
+    fractional designs (float64 ids) give 1-D RoPE taken in fp64 (SCHEMES.md section 0), rounded once to fp32."""
     types = torch.zeros(2, 9, dtype=torch.long)
     pos, _ = get_position_ids(scheme, types)
+    assert torch.equal(pos, torch.arange(9).expand(3, 2, -1).to(pos.dtype))
     rot = MultimodalRotary.from_scheme(scheme, 128, base=1e6)
     cos, sin = rot(pos)
+    assert cos.dtype == sin.dtype == torch.float32
     ref_cos, ref_sin = rope_1d(torch.arange(9).expand(2, -1), 128, 1e6)
-    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+    if pos.dtype == torch.long:
+        assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+        return
+    assert pos.dtype == torch.float64
+    exact_cos, exact_sin = rope_1d(torch.arange(9).expand(2, -1), 128, 1e6, dtype=torch.float64)
+    assert torch.equal(cos, exact_cos.float()) and torch.equal(sin, exact_sin.float())
+    torch.testing.assert_close(cos, ref_cos, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, ref_sin, rtol=0, atol=1e-6)
 
 
 def test_hope_text_only_is_not_1d_rope_lowest_bands_identity():
     pos, _ = get_position_ids("hope", torch.zeros(1, 3000, dtype=torch.long))
+    assert pos.dtype == torch.float64  # a fractional design: its angles are taken in fp64
     cos, sin = MultimodalRotary.from_scheme("hope", 128, base=1e4)(pos)
-    ref_cos, _ = rope_1d(torch.arange(3000)[None], 128, 1e4)
+    ref_cos, _ = rope_1d(torch.arange(3000)[None], 128, 1e4, dtype=torch.float64)
+    ref_cos = ref_cos.float()
     low = torch.cat([torch.arange(48, 64), torch.arange(112, 128)])
     assert (cos[..., low] == 1).all() and (sin[..., low] == 0).all()
     assert not torch.allclose(cos, ref_cos)

@@ -14,6 +14,7 @@ import torch
 
 import visionpe
 from visionpe.multimodal import MultimodalRotary, apply_multimodal_rotary, get_position_ids, list_multimodal_schemes
+from visionpe.multimodal.v2pe import V2PE_DELTAS
 from visionpe.registry import get_scheme_class
 from visionpe.rotary.functional import apply_rotary, rotary_angles, rotary_tables
 
@@ -172,7 +173,8 @@ def test_multimodal_long_context_in_bf16_within_tolerance_of_fp32(scheme):
 
 def test_fp32_angles_at_one_million_are_within_0_1_rad_of_exact():
     """fp32 angles (the transformers expression, bit for bit) carry an absolute error that grows with position:
-    at 1e6 it is 0.06 rad on the fastest pairs. Documented, not improved on."""
+    at 1e6 it is 0.06 rad on the fastest pairs. Documented, not improved on, for integer ids (float64 ids, from the
+    fractional designs, get fp64 angles: see the V2PE test below)."""
     pos = _long_context_ids("mrope")
     rotary = _multimodal_rotary("mrope")
     exact = pos.double().permute(1, 2, 0) @ rotary.mix.double().T  # (B, L, pairs) positions per pair
@@ -181,17 +183,40 @@ def test_fp32_angles_at_one_million_are_within_0_1_rad_of_exact():
     assert 0.01 < error < 0.1
 
 
-def test_v2pe_steps_survive_one_million_in_fp32_down_to_one_sixteenth():
-    """V2PE's fractional ids are float32: a step delta survives at 1e6 while delta >= ulp(1e6) = 1/16. Smaller
-    steps (the 1/256 of training) collapse there; they survive below 2^16 (SCHEMES.md B6)."""
-    for delta, distinct in ((0.25, True), (1 / 16, True), (1 / 256, False)):
-        visual = _long_context_ids("v2pe", delta=delta)[0, 0, 16:40]  # the 24 image tokens
-        assert visual.dtype == torch.float32
-        assert bool((visual[1:] > visual[:-1]).all()) == distinct, delta
-        if distinct:
-            cos, _ = _multimodal_rotary("v2pe")(visual.view(1, -1))
-            assert (cos[0, 1:] != cos[0, :-1]).any(-1).all()  # every token gets its own rotation
+def test_v2pe_steps_survive_one_million_in_fp64_down_to_one_256th():
+    """V2PE's fractional ids are float64 end to end (SCHEMES.md section 0, B6 pitfall): at 1e6 every delta down to
+    the 1/256 of training gives strictly increasing visual ids (in fp32 steps below ulp(1e6) = 1/16 collapse), each
+    token gets its own rotation, and the angles, taken in fp64, equal a float64 reference after the cast to fp32."""
+    rotary = _multimodal_rotary("v2pe")
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
+    for delta in V2PE_DELTAS:
+        pos = _long_context_ids("v2pe", delta=delta)
+        assert pos.dtype == torch.float64
+        visual = pos[0, 0, 24:48]  # the 24 image tokens, after the text ending at LONG - 1
+        assert visual.min() > LONG - 1
+        assert (visual[1:] > visual[:-1]).all(), delta
+        assert torch.equal(visual[1:] - visual[:-1], torch.full((23,), delta, dtype=torch.float64)), delta
+        cos, sin = rotary(pos)
+        assert cos.dtype == sin.dtype == torch.float32
+        assert (cos[0, 25:48] != cos[0, 24:47]).any(-1).all(), delta  # every token gets its own rotation
+        exact = (pos.permute(1, 2, 0) @ rotary.mix.double().T) * inv_freq  # (B, L, pairs), fp64 throughout
+        angles = rotary.angles(pos)
+        assert angles.dtype == torch.float64
+        torch.testing.assert_close(angles, exact, rtol=0, atol=1e-9)
+        exact = torch.cat((exact, exact), dim=-1)
+        torch.testing.assert_close(cos, exact.cos().float(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin, exact.sin().float(), rtol=0, atol=1e-6)
+    # fp32 would have merged them: 1/256 is below ulp(1e6) = 1/16
+    visual = _long_context_ids("v2pe", delta=1 / 256)[0, 0, 24:48].float()
+    assert not (visual[1:] > visual[:-1]).all()
     types = torch.tensor([[0] * 2**15 + [1] * 24 + [0]])
-    pos, _ = get_position_ids("v2pe", types, torch.tensor([[1, 8, 12]]), delta=1 / 256)
+    pos, delta = get_position_ids("v2pe", types, torch.tensor([[1, 8, 12]]), delta=1 / 256)
+    assert pos.dtype == delta.dtype == torch.float64
     visual = pos[0, 0, 2**15 : 2**15 + 24]
     assert (visual[1:] > visual[:-1]).all()
+
+
+def test_integer_designs_keep_int64_ids_and_fp32_angles():
+    pos = _long_context_ids("mrope")
+    assert pos.dtype == torch.long
+    assert _multimodal_rotary("mrope").angles(pos).dtype == torch.float32

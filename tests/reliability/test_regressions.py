@@ -113,7 +113,7 @@ def test_fractional_temporal_strides_are_kept(scheme, kwargs, step):
     frames = pos[0, 0, 2:14].view(3, 4)  # the t row, frame by frame
     assert (frames == frames[:, :1]).all()  # one time per frame
     torch.testing.assert_close(frames[:, 0] - frames[0, 0], torch.tensor([0.0, step, 2 * step]), check_dtype=False)
-    assert pos.dtype == (torch.long if float(step).is_integer() and scheme == "mrope_abs_time" else torch.float32)
+    assert pos.dtype == (torch.long if float(step).is_integer() and scheme == "mrope_abs_time" else torch.float64)
 
 
 # -- Qwen-VL through the Hugging Face adapter --------------------------------------------------------------------

@@ -85,7 +85,8 @@ def test_schemes_change_the_model_and_the_baseline_is_1d_rope(bank):
     module = VLMModule("rope_1d")
     pos = module.position_ids(batch, training=True)
     mask = batch["attention_mask"].bool()
-    expected = (batch["attention_mask"].cumsum(1) - 1).float()
+    assert pos.dtype == torch.float64  # V2PE with delta = 1: a fractional design, float64 ids (SCHEMES.md section 0)
+    expected = (batch["attention_mask"].cumsum(1) - 1).double()
     assert torch.equal(pos[0][mask], expected[mask]) and torch.equal(pos[0], pos[1]) and torch.equal(pos[1], pos[2])
 
 

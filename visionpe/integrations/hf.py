@@ -6,6 +6,10 @@
 model's rotary embedding). Decoding with a KV cache keeps working unchanged: transformers advances every
 row of the ids by one per new token (``generate``) or adds the stored ``rope_deltas`` to
 ``cumsum(attention_mask) - 1`` (``forward`` with a cache), and visionpe returns deltas in that convention.
+Schemes with fractional positions (V2PE...) return float64 ids and deltas (SCHEMES.md section 0): transformers'
+arithmetic on them (integer positions plus the deltas, the text row concatenated in ``generate``, the next ids made
+in the ids' dtype) promotes to or keeps float64, nothing on that path casts them down, and the rotary that replaces
+the model's takes their angles in fp64 before casting cos and sin to the activations' dtype.
 
 The visual layout comes from ``mm_token_type_ids`` (0 text, 1 image, 2 video), never from the ids or the
 embeddings (SCHEMES.md B12 pitfall #5): a patched model raises a ValueError naming ``mm_token_type_ids`` when
@@ -98,6 +102,8 @@ def _require_token_types(scheme: str, inputs: dict[str, Any]) -> None:
 
 class _HFRotary(nn.Module):
     """Drop-in for the language model's ``rotary_emb``: ``forward(x, position_ids) -> (cos, sin)`` in x's dtype.
+
+    ``position_ids`` keep their dtype: int64 ids give fp32 angles, float64 ids (fractional schemes) fp64 angles.
 
     It keeps what it replaced: the model's own rotary module (a submodule, so that ``.to()`` moves it along; its
     buffers are non-persistent and stay out of the state dict) and, in ``originals``, any instance attribute that

@@ -128,7 +128,7 @@ class DesignOutput:
     ``local`` (R, N) offsets of the visual tokens and ``advance`` (G,) cursor advance per block, int64 or
     float64. ``anchored``: per row, whether it adds the block's start cursor. ``delta_rows``: the rows whose
     maximum + 1 may lift the next decoding position above the final cursor (a video's time row under
-    transformers 5.x's continuation). ``integer``: whether the ids are integral (returned as int64).
+    transformers 5.x's continuation). ``integer``: whether the ids are integral (returned as int64; else float64).
     """
 
     local: torch.Tensor
@@ -352,14 +352,16 @@ def assemble_positions(
     """Place text and visual tokens on the cursor and compute the decoding deltas.
 
     Returns:
-        position_ids (R, B, L), int64 if ``design.integer`` else float32; padded slots hold ``pad_value``.
+        position_ids (R, B, L), int64 if ``design.integer`` else float64 (SCHEMES.md section 0: fractional steps
+        of 2^-8 are exact in fp32 only below 2^16; in fp64 they stay distinct far beyond the 1M tokens of B6);
+        padded slots hold ``pad_value``.
         rope_deltas (B, 1): next position minus the number of valid tokens (``"valid"``, transformers 5.x:
         decode at cumsum(mask) - 1 + delta) or minus the padded length (``"padded"``, legacy: decode at
-        cache_position + delta).
+        cache_position + delta). Same dtype as position_ids.
     """
     valid = layout.valid
     batch_size, seq_len = valid.shape
-    # Integral designs run in int64 end to end; the others in float64, returned as float32.
+    # Integral designs run in int64 end to end; the others in float64, also returned as float64.
     integer = design.integer and float(pad_value).is_integer()
     dtype = torch.long if integer else torch.float64
     local = design.local.round().long() if integer and design.local.is_floating_point() else design.local.to(dtype)
@@ -390,6 +392,4 @@ def assemble_positions(
     positions = torch.cat([filled] * num_rows)
     positions.index_copy_(1, layout.flat, values)
     positions = positions.view(num_rows, batch_size, seq_len)
-    if integer:
-        return positions, deltas
-    return positions.float(), deltas.float()
+    return positions, deltas

@@ -49,8 +49,10 @@ def get_position_ids(
             ``delta=0.25`` (V2PE), ``second_per_grid_ts=...`` (Qwen2.5-VL time), ``spatial_reset=True``.
 
     Returns:
-        position_ids: (3, B, L) rows (t, h, w); int64, or float32 for schemes with fractional positions
-            (v2pe, videorope, hope, circle_rope, mrope_abs_time with ``fractional_time=True``).
+        position_ids: (3, B, L) rows (t, h, w); int64, or float64 for schemes with fractional positions
+            (v2pe, videorope, hope, circle_rope, mrope_abs_time with ``fractional_time=True``, a non-integer
+            ``pad_value``): fp32 would merge V2PE's 1/256 steps above 2^16 (SCHEMES.md B6), fp64 keeps them
+            distinct at 1M tokens. :class:`~visionpe.multimodal.MultimodalRotary` takes their angles in fp64.
         rope_deltas: (B, 1), same dtype; the next decoding position minus the reference length above.
 
     Example:

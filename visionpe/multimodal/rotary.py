@@ -5,7 +5,9 @@ Qwen2-VL in Hugging Face transformers ("half" layout: pair n is channels n and n
 
 phi_n = theta_n * sum_a mix[n, a] * p_a with theta_n = base^(-2n/D); cos = cos(cat(phi, phi)), (B, L, D),
 or (B, H_kv, L, D) for head-wise allocations (MHRoPE), where head h reads sum_a mix[h, a] * p_a on every pair.
-Angles are computed in fp32 with autocast off.
+Angles are computed with autocast off, never in bf16/fp16: in fp32 for integer ids (exact below 2^24, the
+transformers expression bit for bit) and in fp64 for float64 ids (fractional designs such as V2PE, whose steps of
+2^-8 need fp64 above 2^16; SCHEMES.md section 0). Only the finished cos and sin are cast.
 """
 
 from __future__ import annotations
@@ -93,9 +95,9 @@ class MultimodalRotary(nn.Module):
         return module
 
     @staticmethod
-    def _inv_freq(base: float, head_dim: int) -> torch.Tensor:
-        # Same expression as transformers' default RoPE, so that the tables match it bit for bit.
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    def _inv_freq(base: float, head_dim: int, dtype: torch.dtype = torch.float, device=None) -> torch.Tensor:
+        # Same expression as transformers' default RoPE, so that the fp32 tables match it bit for bit.
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=dtype, device=device) / head_dim))
 
     @classmethod
     def from_scheme(cls, scheme: str, head_dim: int, *, base: float = 10000.0, **kwargs: Any) -> MultimodalRotary:
@@ -105,7 +107,11 @@ class MultimodalRotary(nn.Module):
         return cls(head_dim, base=base, allocation=entry.allocation, **options)
 
     def angles(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """fp32 angles (B, L, D/2), or (B, H_kv, L, D/2) per head, from ids (3, B, L) or (B, L)."""
+        """Angles (B, L, D/2), or (B, H_kv, L, D/2) per head, from ids (3, B, L) or (B, L).
+
+        fp64 for float64 ids (id * inv_freq with inv_freq computed in fp64: accurate at position 1e6 and exact for
+        fractional steps of 2^-8 up to 2^44); fp32 for any other dtype (int64 ids are exact below 2^24).
+        """
         if not isinstance(position_ids, torch.Tensor):
             raise TypeError(f"position_ids must be a tensor, got {type(position_ids).__name__}")
         if position_ids.dtype == torch.bool or position_ids.is_complex():
@@ -121,19 +127,28 @@ class MultimodalRotary(nn.Module):
         ):
             raise ValueError("position_ids must be finite, got NaN or inf")
         with torch.autocast(position_ids.device.type, enabled=False):
-            pos = position_ids.float().permute(1, 2, 0)  # (B, L, 3)
+            if position_ids.dtype == torch.float64:
+                # Fractional ids: positions, mix and frequencies in fp64 (SCHEMES.md section 0, B6 pitfall).
+                pos = position_ids.permute(1, 2, 0)  # (B, L, 3)
+                mix = self.mix.to(torch.float64)
+                inv_freq = self._inv_freq(self.base, self.head_dim, torch.float64, position_ids.device)
+            else:
+                pos = position_ids.float().permute(1, 2, 0)  # (B, L, 3)
+                mix, inv_freq = self.mix, self.inv_freq
             # Elementwise product and sum rather than a matmul: exact for one-hot rows, no TF32.
-            mixed = (pos.unsqueeze(-2) * self.mix).sum(-1)  # (B, L, P or H)
+            mixed = (pos.unsqueeze(-2) * mix).sum(-1)  # (B, L, P or H)
             if self.per_head:
-                return mixed.transpose(1, 2).unsqueeze(-1) * self.inv_freq
-            return mixed * self.inv_freq
+                return mixed.transpose(1, 2).unsqueeze(-1) * inv_freq
+            return mixed * inv_freq
 
     def forward(
         self, position_ids: torch.Tensor, dtype: torch.dtype | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (B, L, D) or (B, H_kv, L, D), fp32 unless ``dtype`` (a floating torch dtype) is given.
 
-        The angles and tables are computed in fp32 whatever ``dtype`` is; only the finished cos and sin are cast.
+        The angles and tables are computed in fp32 (integer ids) or fp64 (float64 ids, see :meth:`angles`) whatever
+        ``dtype`` is, with autocast off; only the finished cos and sin are cast (fp64 ones to fp32 when ``dtype``
+        is None).
         """
         if dtype is not None:
             if not isinstance(dtype, torch.dtype):
@@ -147,6 +162,8 @@ class MultimodalRotary(nn.Module):
         with torch.autocast(phi.device.type, enabled=False):
             emb = torch.cat((phi, phi), dim=-1)
             cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        if dtype is None and position_ids.dtype == torch.float64:
+            dtype = torch.float32  # fp64 tables of float64 ids are an internal step: the default stays fp32
         if dtype is not None:
             cos, sin = cos.to(dtype), sin.to(dtype)
         return cos, sin
