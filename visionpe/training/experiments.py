@@ -18,6 +18,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from ..rotary.scaling import Extrapolation, set_extrapolation
 from .cli import run_cli
+from .digits import _check_int, _check_int_tuple
 from .evaluate import sweep, write_report
 from .module import Classifier
 
@@ -91,14 +92,11 @@ def _check_distinct(name: str, values: Sequence) -> list:
 
 
 def _check_sweep_args(seeds, sizes, max_epochs) -> None:
-    for name, values in (("seeds", seeds), ("sizes", sizes or ())):
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= (name == "sizes") for v in values):
-            minimum = "positive" if name == "sizes" else "non-negative"
-            raise ValueError(f"{name} must be {minimum} ints, got {list(values)}")
-    if not seeds:
-        raise ValueError("seeds must name at least one seed, got []")
-    if max_epochs is not None and (not isinstance(max_epochs, int) or isinstance(max_epochs, bool) or max_epochs < 1):
-        raise ValueError(f"max_epochs must be None or a positive int, got {max_epochs!r}")
+    _check_int_tuple("seeds", seeds, minimum=0)
+    if sizes is not None:
+        _check_int_tuple("sizes", sizes)
+    if max_epochs is not None:
+        _check_int("max_epochs", max_epochs)
 
 
 def _checkpoint_label(hparams: dict) -> str:

@@ -28,6 +28,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 import visionpe  # noqa: F401  (registers the visionpe models with timm)
 
+from ..grid import validate_positive
+from .digits import _check_int
 from .digits import _sample_seed as sample_seed
 
 _STEP_STREAM = 5  # key of the per-batch seeds (the data modules use other streams)
@@ -55,11 +57,8 @@ def _check_args(args: dict[str, Any]) -> None:
         if args[name] is not None and not isinstance(args[name], dict):
             fail(name, "None or a dict")
     for name, minimum in (("num_classes", 2), ("lr_batch_reference", 1), ("seed", 0)):
-        value = args[name]
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            fail(name, f"an int >= {minimum}")
-    if not _is_number(args["base_lr"]) or args["base_lr"] <= 0:
-        fail("base_lr", "a positive number")
+        _check_int(name, args[name], minimum)
+    validate_positive(args["base_lr"], "base_lr")
     for name in ("weight_decay", "warmup_epochs", "min_lr", "warmup_lr", "mixup", "cutmix"):
         if not _is_number(args[name]) or args[name] < 0:
             fail(name, "a number >= 0")
