@@ -151,15 +151,25 @@ def _load_checkpoints(paths: Sequence[str], data_keys: Sequence[str], data_class
     return loaded
 
 
-def _probe(model: torch.nn.Module, datamodule, sizes: Sequence[int], name: str) -> None:
-    """Run one evaluation sample of every test size through ``model`` (random weights are fine), so that a size
-    the data module or the model refuses (0, or not a multiple of the patch) fails before any run trains."""
-    model.eval()
+def _probe_samples(datamodule, sizes: Sequence[int]) -> dict[int, torch.Tensor]:
+    """One evaluation sample (a batch of 1) per test size, loaded once for every model to be probed with."""
+    samples = {}
     for size in sizes:
         try:
-            inputs, _ = next(iter(datamodule.eval_dataloader(size)))
+            samples[size] = next(iter(datamodule.eval_dataloader(size)))[0][:1]
+        except (ValueError, RuntimeError) as err:
+            raise ValueError(f"test size {size} does not work for the data module: {err}") from err
+    return samples
+
+
+def _probe(model: torch.nn.Module, samples: dict[int, torch.Tensor], name: str) -> None:
+    """Run the sample of every test size through ``model`` (random weights are fine), so that a size the model
+    refuses (e.g. not a multiple of the patch) fails before any run trains."""
+    model.eval()
+    for size, inputs in samples.items():
+        try:
             with torch.no_grad():
-                model(inputs[:1])
+                model(inputs)
         except (ValueError, RuntimeError, AssertionError) as err:
             raise ValueError(f"test size {size} does not work for {name}: {err}") from err
 
@@ -247,8 +257,9 @@ def run_sweep(
     config_data.setup("validate")
     probes = [(label, cli.model) for (label, _), cli in zip(runs, clis, strict=True)]
     probes += [(label, model) for label, _, model, _ in loaded]
+    samples = _probe_samples(config_data, sizes or config_data.eval_sizes)
     for label, model in probes:
-        _probe(model, config_data, sizes or config_data.eval_sizes, label)
+        _probe(model, samples, label)
     for mode in extrapolation:
         if not any(accepts_extrapolation(model.model, mode) for _, model in probes):
             raise ValueError(
