@@ -370,7 +370,8 @@ def assemble_positions(
     inc = layout.is_text.to(dtype).view(-1)
     inc.index_copy_(0, layout.flat.index_select(0, layout.block_last), advance)
     inc = inc.view(batch_size, seq_len)
-    cursor = inc.cumsum(1) - inc
+    total = inc.cumsum(1)
+    cursor = total - inc
     start = cursor.view(-1).index_select(0, layout.flat)
     anchored = list(design.anchored)
     num_rows = local.shape[0]
@@ -379,8 +380,10 @@ def assemble_positions(
     else:
         values = torch.stack([start + local[r] if anchor else local[r] for r, anchor in enumerate(anchored)])
     # Next decoding position: the cursor after the last token, or one past a visual position above it (a
-    # video's time row under the "spatial_extent" rule).
-    next_position = inc.sum(1)
+    # video's time row under the "spatial_extent" rule). The running sum's last entry, not ``inc.sum(1)``: a sum
+    # reduces fractional advances (Circle-RoPE) in another order, so a padded row's delta differed from the same
+    # row alone in the last bit.
+    next_position = total[:, -1]
     if values.numel():
         rows = values if len(design.delta_rows) == num_rows else values[list(design.delta_rows)]
         rows = rows.amax(0) + 1
