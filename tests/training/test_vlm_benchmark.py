@@ -102,6 +102,20 @@ def test_randomised_training_options_are_seeded_per_step(bank):
     assert not torch.equal(hope.position_ids(batch, training=True), hope.position_ids(batch, training=False))
 
 
+def test_training_draws_one_delta_per_image(bank):
+    # SCHEMES.md B6: V2PE's delta is drawn per image, so the K images of one sample step by their own deltas
+    _, batch = _batch(bank, "multi_image", (4, 4, 4, 4))
+    pos = VLMModule("v2pe", seed=2).position_ids(batch, training=True)[0]
+    visual = batch["mm_token_type_ids"] == 1
+    steps = []
+    for b in range(pos.shape[0]):
+        images = pos[b][visual[b]].view(4, 4)  # 4 images of 2x2 tokens, in order
+        steps.append(images[:, 1] - images[:, 0])
+    steps = torch.stack(steps)
+    assert set(steps.flatten().tolist()) <= {1 / 2**k for k in range(9)}
+    assert any(len(set(row.tolist())) > 1 for row in steps)
+
+
 def test_model_config_and_sizes():
     model = build_tiny_vlm("mhrope", VLMSize(hidden_size=64, num_heads=4, num_kv_heads=4))
     text, vision = model.config.text_config, model.config.vision_config

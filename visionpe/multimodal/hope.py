@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .design import DesignOutput, VisualLayout
-from .v2pe import per_sample_value
+from .v2pe import draw_per_block, per_sample_value
 from .videorope import diagonal_layout
 
 __all__ = ["HOPE_SCALES", "hope_design", "sample_hope_scale"]
@@ -23,13 +23,14 @@ HOPE_SCALES = (0.5, 0.75, 1.0, 1.25, 1.5)
 
 
 def hope_design(layout: VisualLayout, *, temporal_scale: float | torch.Tensor = 0.75) -> DesignOutput:
-    """HoPE ids; ``temporal_scale`` is gamma (number or (B,) per sample), 0.75 in the V-NIAH evaluation."""
+    """HoPE ids; ``temporal_scale`` is gamma: a number (0.75 in the V-NIAH evaluation), a (B,) tensor (one per
+    sample) or a (B, K) tensor (one per visual span, :func:`~visionpe.multimodal.v2pe.per_sample_value`)."""
     return diagonal_layout(layout, per_sample_value(layout, temporal_scale, "temporal_scale"))
 
 
-def sample_hope_scale(batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(batch_size,) gammas drawn uniformly from {0.5, 0.75, 1.0, 1.25, 1.5}, HoPE's training distribution."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    choice = torch.randint(len(HOPE_SCALES), (batch_size,), generator=generator)
-    return torch.tensor(HOPE_SCALES, dtype=torch.float64)[choice]
+def sample_hope_scale(
+    batch_size: int, generator: torch.Generator | None = None, num_blocks: int | None = None
+) -> torch.Tensor:
+    """Gammas drawn uniformly from {0.5, 0.75, 1.0, 1.25, 1.5}, HoPE's training distribution: (batch_size,
+    num_blocks), one per visual span as in the paper (SCHEMES.md B9), or (batch_size,) when ``num_blocks`` is None."""
+    return draw_per_block(HOPE_SCALES, batch_size, generator, num_blocks)

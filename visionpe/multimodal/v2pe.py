@@ -5,7 +5,8 @@ Visual Position Encoding", ICCV 2025, arXiv 2412.09616 (OpenGVLab/V2PE).
 
 1-D ids on all three rows. Text advances by 1; visual token k = 1..N of a block after the marker at p gets
 p + delta * k, and the next text sits at ceil(p + delta * N) + 1. delta = 1 is plain 1-D RoPE. Training
-draws delta per sample from {1, 1/2, ..., 1/256} (:func:`sample_v2pe_delta`); evaluation fixes it (1/4).
+draws delta per image from {1, 1/2, ..., 1/256} (:func:`sample_v2pe_delta` with ``num_blocks``, SCHEMES.md B6);
+evaluation fixes it (1/4).
 """
 
 from __future__ import annotations
@@ -14,31 +15,66 @@ import torch
 
 from .design import DesignOutput, VisualLayout
 
-__all__ = ["V2PE_DELTAS", "v2pe_design", "sample_v2pe_delta", "per_sample_value"]
+__all__ = ["V2PE_DELTAS", "v2pe_design", "sample_v2pe_delta", "per_sample_value", "draw_per_block"]
 
 V2PE_DELTAS = tuple(1.0 / 2**k for k in range(9))
 
 
 def per_sample_value(layout: VisualLayout, value: float | torch.Tensor, name: str) -> torch.Tensor:
-    """(G,) float64 value per block from a number or a (B,) per-sample tensor; must be positive and finite."""
+    """(G,) float64 value per visual block from a number, a (B,) tensor (one value per sample) or a (B, K) tensor
+    (one per visual block: column k for the sample's k-th block in order of appearance, images and videos
+    together; K at least the most blocks in one sample, later columns unused). Used values must be positive and
+    finite."""
     if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
-        raise TypeError(f"{name} must be a number or a (B,) tensor, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a number, a (B,) or a (B, K) tensor, got {type(value).__name__}")
     device = layout.block_thw.device
     tensor = torch.as_tensor(value, dtype=torch.float64, device=device)
     if tensor.ndim == 0:
         tensor = tensor.expand(layout.batch_size)
-    if tensor.shape != (layout.batch_size,):
-        raise ValueError(f"{name} must be a number or a ({layout.batch_size},) tensor, got {tuple(tensor.shape)}")
-    if not ((tensor > 0) & torch.isfinite(tensor)).all():
+    if tensor.ndim == 2 and tensor.shape[0] == layout.batch_size:
+        ordinal = layout.block_ordinal()
+        most = int(ordinal.max()) + 1 if ordinal.numel() else 0
+        if tensor.shape[1] < most:
+            raise ValueError(
+                f"{name} as a (B, K) tensor needs a column per visual block: a sample here has {most} blocks, "
+                f"got K={tensor.shape[1]}"
+            )
+        used = tensor[layout.block_sample, ordinal]
+    elif tensor.shape == (layout.batch_size,):
+        used = tensor[layout.block_sample]
+    else:
+        raise ValueError(
+            f"{name} must be a number, a ({layout.batch_size},) tensor or a ({layout.batch_size}, K) tensor, "
+            f"got {tuple(tensor.shape)}"
+        )
+    if not ((used > 0) & torch.isfinite(used)).all():
         raise ValueError(f"{name} must be positive and finite, got {tensor.tolist()}")
-    return tensor[layout.block_sample]
+    return used
+
+
+def draw_per_block(
+    values: tuple[float, ...], batch_size: int, generator: torch.Generator | None, num_blocks: int | None
+) -> torch.Tensor:
+    """Uniform draws from ``values``: (batch_size,) per sample, or (batch_size, num_blocks) per visual block.
+
+    The per-block draw is made as (num_blocks, batch_size) and transposed, so its first column (the first block of
+    every sample) is the per-sample draw of the same generator state."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
+        raise ValueError(f"num_blocks must be a positive int or None, got {num_blocks!r}")
+    rows = 1 if num_blocks is None else num_blocks
+    choice = torch.randint(len(values), (rows, batch_size), generator=generator).T
+    draws = torch.tensor(values, dtype=torch.float64)[choice]
+    return draws[:, 0] if num_blocks is None else draws
 
 
 def v2pe_design(layout: VisualLayout, *, delta: float | torch.Tensor = 0.25) -> DesignOutput:
     """Visual token k of a block: (k + 1) * delta - 1 past the block's cursor; advance ceil(delta * N).
 
     Args:
-        delta: visual position increment, a number or a (B,) tensor with one value per sample.
+        delta: visual position increment: a number, a (B,) tensor (one per sample) or a (B, K) tensor (one per
+            visual block, :func:`per_sample_value`).
     """
     step = per_sample_value(layout, delta, "delta")
     numel = layout.block_thw.prod(1).double()
@@ -48,9 +84,9 @@ def v2pe_design(layout: VisualLayout, *, delta: float | torch.Tensor = 0.25) -> 
     return DesignOutput(local=local.expand(3, -1), advance=advance, integer=False)
 
 
-def sample_v2pe_delta(batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(batch_size,) deltas drawn uniformly from {1, 1/2, ..., 1/256}, V2PE's training distribution."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    choice = torch.randint(len(V2PE_DELTAS), (batch_size,), generator=generator)
-    return torch.tensor(V2PE_DELTAS, dtype=torch.float64)[choice]
+def sample_v2pe_delta(
+    batch_size: int, generator: torch.Generator | None = None, num_blocks: int | None = None
+) -> torch.Tensor:
+    """Deltas drawn uniformly from {1, 1/2, ..., 1/256}, V2PE's training distribution: (batch_size, num_blocks),
+    one per image as in the paper (SCHEMES.md B6), or (batch_size,) one per sample when ``num_blocks`` is None."""
+    return draw_per_block(V2PE_DELTAS, batch_size, generator, num_blocks)

@@ -30,5 +30,6 @@ def diagonal_layout(layout: VisualLayout, temporal_step: torch.Tensor) -> Design
 
 
 def videorope_design(layout: VisualLayout, *, delta: float | torch.Tensor = 2.0) -> DesignOutput:
-    """VideoRoPE ids; ``delta`` is the temporal spacing (number or (B,) per sample), 2 in the paper."""
+    """VideoRoPE ids; ``delta`` is the temporal spacing, 2 in the paper: a number, a (B,) tensor (one per
+    sample) or a (B, K) tensor (one per visual block, :func:`~visionpe.multimodal.v2pe.per_sample_value`)."""
     return diagonal_layout(layout, per_sample_value(layout, delta, "delta"))

@@ -93,14 +93,15 @@ class VLMModule(L.LightningModule):
         )
 
     def position_ids(self, batch: dict[str, torch.Tensor], training: bool) -> torch.Tensor:
-        """(3, B, L) ids of the scheme for ``batch`` (training draws per-sample options where the paper does).
+        """(3, B, L) ids of the scheme for ``batch`` (training draws options per visual block where the paper does).
 
         int64, or float64 for fractional designs (V2PE, and ``rope_1d``, which is V2PE with delta = 1): passed to the
         model as they are, and the patched rotary takes their angles in fp64 (SCHEMES.md section 0)."""
         generator = None
         if training and self.scheme.train_options is not None:
             generator = torch.Generator().manual_seed(sample_seed(self.seed, _OPTION_STREAM, int(self.global_step)))
-        options = self.scheme.design_options(batch["input_ids"].shape[0], generator, training)
+        num_blocks = sum(len(batch[key]) for key in ("image_grid_thw", "video_grid_thw") if batch.get(key) is not None)
+        options = self.scheme.design_options(batch["input_ids"].shape[0], generator, training, max(num_blocks, 1))
         position_ids, _ = get_position_ids(
             self.scheme.scheme,
             batch["mm_token_type_ids"],

@@ -34,29 +34,33 @@ __all__ = ["BenchScheme", "BENCH_SCHEMES", "DEFAULT_SCHEMES", "get_bench_scheme"
 @dataclass(frozen=True)
 class BenchScheme:
     """A benchmark entry: ``scheme`` (registered name), ``options`` (evaluation design options),
-    ``train_options`` (batch size, generator) -> per-sample design options for a training step, or None;
+    ``train_options`` (batch size, generator, visual blocks in the batch) -> design options drawn for a training
+    step (per image or visual span, as the papers draw them), or None;
     ``video_as_images``: feed video frames as consecutive images."""
 
     name: str
     scheme: str
     options: dict[str, Any] = field(default_factory=dict)
-    train_options: Callable[[int, torch.Generator], dict[str, Any]] | None = None
+    train_options: Callable[[int, torch.Generator | None, int], dict[str, Any]] | None = None
     video_as_images: bool = False
     note: str = ""
 
-    def design_options(self, batch_size: int, generator: torch.Generator | None, training: bool) -> dict[str, Any]:
-        """The design options for one batch: sampled per sample in training when the paper does so."""
+    def design_options(
+        self, batch_size: int, generator: torch.Generator | None, training: bool, num_blocks: int = 1
+    ) -> dict[str, Any]:
+        """The design options for one batch: drawn in training when the paper does so, one value per visual block
+        (``num_blocks``: at least the most visual blocks of one sample; the batch's total is enough)."""
         if training and self.train_options is not None:
-            return self.train_options(batch_size, generator)
+            return self.train_options(batch_size, generator, num_blocks)
         return dict(self.options)
 
 
-def _v2pe_train(batch_size: int, generator: torch.Generator | None) -> dict[str, Any]:
-    return {"delta": sample_v2pe_delta(batch_size, generator)}
+def _v2pe_train(batch_size: int, generator: torch.Generator | None, num_blocks: int) -> dict[str, Any]:
+    return {"delta": sample_v2pe_delta(batch_size, generator, num_blocks)}  # per image (SCHEMES.md B6)
 
 
-def _hope_train(batch_size: int, generator: torch.Generator | None) -> dict[str, Any]:
-    return {"temporal_scale": sample_hope_scale(batch_size, generator)}
+def _hope_train(batch_size: int, generator: torch.Generator | None, num_blocks: int) -> dict[str, Any]:
+    return {"temporal_scale": sample_hope_scale(batch_size, generator, num_blocks)}  # per visual span (B9)
 
 
 BENCH_SCHEMES: dict[str, BenchScheme] = {
