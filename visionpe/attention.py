@@ -6,6 +6,13 @@ timm's Eva passes ``rope``, and picks its own layer. Attention runs through ``sc
 with the summed logit bias as ``attn_mask``; only schemes that add a value term (``needs_probs``) take the
 explicit path.
 
+With patch dropout (timm's ``patch_drop_rate``) each sample keeps its own subset of patches; the context then
+holds ``keep``, the kept tokens' indices in the full sequence (SCHEMES.md section 0: positions, rotations and
+biases are gathered with the kept indices). Rotary schemes rotate the kept q and k placed back on the full grid
+(dropped rows zero) and gather them again, bias schemes build the full grid's bias (from q and k placed back
+likewise) and gather the kept rows and columns, so every scheme takes patch dropout with the same rotations and
+biases as the full grid and no per-scheme code.
+
 A dense bias is (B, heads, N, N): 400 MB in fp32 for ViT-S at 1024 px (N = 4097), per block. When it would
 exceed ``PosAttention.bias_chunk_bytes``, attention runs in chunks of query rows: each scheme builds the bias of
 those rows only (``attn_bias(..., rows=)``), and each chunk's softmax is over all keys, so the result is the
@@ -34,6 +41,10 @@ class PositionContext:
 
     rotary: list[tuple[RotaryPositionEncoding, Any]] = field(default_factory=list)
     bias: list[tuple[BiasPositionEncoding, Any]] = field(default_factory=list)
+    # patch dropout: (B, K) int64 indices of the tokens each sample kept (prefix included) in the full sequence of
+    # ``num_tokens`` tokens the states were built for; None when every token is there
+    keep: torch.Tensor | None = None
+    num_tokens: int = 0
 
     @property
     def needs_probs(self) -> bool:
@@ -73,7 +84,8 @@ class PosAttention(Attention):
             if folded is not None:
                 basis, rest = folded
                 rotary = [(rotary[0][0], rest), *rotary[1:]]
-        if len(rotary) == 1 and plain_qk:
+        keep = pos.keep
+        if len(rotary) == 1 and plain_qk and keep is None:
             # a scheme that rotates q and k inside the projection output (RoPE, STRING, LieRE, ComRoPE): q, k, v
             # stay views of one buffer, as in timm. Projected from the flattened tokens, the output is the gemm's
             # own tensor, not a view of it, so autograd records the in-place rotation without copying its gradient
@@ -96,15 +108,19 @@ class PosAttention(Attention):
                 q, k, v = qkv.unbind(0)
                 qk = torch.stack((self.q_norm(q), self.k_norm(k)))
             # q and k rotate together: one pass over both per scheme
+            if keep is not None:  # patch dropout: rotate on the full grid, dropped rows zero
+                qk = scatter_tokens(qk, keep, pos.num_tokens)
             for scheme, state in rotary:
                 qk = scheme.apply(qk, state, self.layer)
+            if keep is not None:
+                qk = gather_tokens(qk, keep)
             q, k = qk.unbind(0)
             if torch.compiler.is_compiling():
                 # inductor (torch 2.14) can fix the token stride of the q/k it saves for attention's backward in a
                 # graph with dynamic shapes, which then fails at the next image size; the layout copy is fused away
                 q, k = q.contiguous(), k.contiguous()
 
-        chunk = self.query_chunk_rows(B, N) if pos.bias and not is_causal else N
+        chunk = self.query_chunk_rows(B, N) if pos.bias and not is_causal and keep is None else N
         if chunk >= N:
             x = self._attend(q, k, v, pos, attn_mask, is_causal, None)
         else:
@@ -179,8 +195,13 @@ class PosAttention(Attention):
         bias = attn_mask
         if bias is not None and bias.dtype == torch.bool:
             bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill_(~bias, float("-inf"))
+        if pos.keep is not None and pos.bias:  # patch dropout: the full grid's bias, kept rows and columns
+            q_full, k_full = scatter_tokens(q, pos.keep, pos.num_tokens), scatter_tokens(k, pos.keep, pos.num_tokens)
         for scheme, state in pos.bias:
-            term = scheme.attn_bias(q, k, state, self.layer, rows=rows)
+            if pos.keep is None:
+                term = scheme.attn_bias(q, k, state, self.layer, rows=rows)
+            else:
+                term = gather_pairs(scheme.attn_bias(q_full, k_full, state, self.layer), pos.keep)
             bias = term if bias is None else bias + term
         if bias is not None:
             bias = bias.to(q.dtype)
@@ -199,8 +220,44 @@ class PosAttention(Attention):
         x = attn @ v
         for scheme, state in pos.bias:
             if scheme.needs_probs:
-                x = x + scheme.value_term(attn, state, self.layer, rows=rows)
+                if pos.keep is None:
+                    x = x + scheme.value_term(attn, state, self.layer, rows=rows)
+                else:
+                    full = scatter_pairs(attn, pos.keep, pos.num_tokens)
+                    x = x + gather_tokens(scheme.value_term(full, state, self.layer), pos.keep)
         return x
+
+
+def _token_index(keep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``keep`` (B, K) as a gather/scatter index along dim -2 of x (..., B, heads, K | N, D)."""
+    return keep.view(keep.shape[0], 1, keep.shape[1], 1).expand(*x.shape[:-2], keep.shape[1], x.shape[-1])
+
+
+def scatter_tokens(x: torch.Tensor, keep: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Kept tokens x (..., B, heads, K, D) on the full sequence (..., B, heads, num_tokens, D), dropped rows zero."""
+    full = x.new_zeros(*x.shape[:-2], num_tokens, x.shape[-1])
+    return full.scatter(-2, _token_index(keep, x), x)
+
+
+def gather_tokens(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The kept rows (..., B, heads, K, D) of full-sequence tokens x (..., B, heads, num_tokens, D)."""
+    return x.gather(-2, _token_index(keep, x[..., : keep.shape[1], :]))
+
+
+def gather_pairs(bias: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """A full-sequence bias (B | 1, heads | 1, T, T) at the kept pairs: (B, heads | 1, K, K)."""
+    (batch, count), heads, total = keep.shape, bias.shape[1], bias.shape[-1]
+    rows = bias.expand(batch, heads, total, total).gather(2, keep.view(batch, 1, count, 1).expand(-1, heads, -1, total))
+    return rows.gather(3, keep.view(batch, 1, 1, count).expand(-1, heads, count, -1))
+
+
+def scatter_pairs(attn: torch.Tensor, keep: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Probabilities over the kept pairs (B, heads, K, K) on the full sequence (B, heads, T, T), zero elsewhere."""
+    (batch, count), heads = keep.shape, attn.shape[1]
+    cols = attn.new_zeros(batch, heads, count, num_tokens)
+    cols = cols.scatter(3, keep.view(batch, 1, 1, count).expand(-1, heads, count, -1), attn)
+    full = attn.new_zeros(batch, heads, num_tokens, num_tokens)
+    return full.scatter(2, keep.view(batch, 1, count, 1).expand(-1, heads, -1, num_tokens), cols)
 
 
 class PosBlock(Block):

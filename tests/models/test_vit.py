@@ -125,8 +125,6 @@ def test_bad_input_errors():
         _model(["learned", "rope_axial"], pos_embed_kwargs={"base": 10})
     with pytest.raises(ValueError, match="unknown option"):
         _model("rope_axial", pos_embed_kwargs={"bse": 10})
-    with pytest.raises(ValueError, match="patch_drop_rate"):
-        _model("rope_axial", patch_drop_rate=0.5)
     with pytest.raises(ValueError, match="'cpe' runs after blocks \\(0,\\)"):  # the PEG convolves the whole grid
         _model("cpe", patch_drop_rate=0.5)
     assert _model("learned", patch_drop_rate=0.5)(torch.randn(1, 3, 224, 224)).isfinite().all()

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from timm.layers import to_2tuple
+from timm.layers import PatchDropoutWithIndices, to_2tuple
 from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
@@ -97,11 +97,6 @@ class VisionPEViT(VisionTransformer):
     ) -> None:
         schemes = normalize_schemes(pos_embed, pos_embed_kwargs)
         patch_drop = kwargs.get("patch_drop_rate", 0.0) > 0
-        if patch_drop and any(get_scheme_class(n).kind != "absolute" for n in schemes):
-            raise ValueError(
-                "patch_drop_rate > 0 is supported with absolute schemes only, got "
-                f"pos_embed={list(schemes)} with patch_drop_rate={kwargs['patch_drop_rate']}"
-            )
         for key in ("block_fn", "attn_layer"):
             if key in kwargs:
                 raise ValueError(f"{key} is set by VisionPEViT, got {key}={kwargs[key]!r}")
@@ -139,6 +134,11 @@ class VisionPEViT(VisionTransformer):
                     f"after blocks {after}; got patch_drop_rate={kwargs['patch_drop_rate']}"
                 )
         self.pos_embed_names = list(schemes)
+        if patch_drop:
+            # timm's patch dropout, returning the kept indices: rotary and bias states are gathered with them
+            self.patch_drop = PatchDropoutWithIndices(
+                kwargs["patch_drop_rate"], num_prefix_tokens=self.num_prefix_tokens
+            )
         if no_embed_class is None and any(getattr(m, "no_embed_class", False) for m in self.pos_schemes.values()):
             self.no_embed_class = True  # set through pos_embed_kwargs: keep timm's attribute in step
 
@@ -240,8 +240,16 @@ class VisionPEViT(VisionTransformer):
         """Embed, then yield the tokens after each block (absolute schemes with ``insert_after`` applied)."""
         self._check_input(x)
         x, grid_size = self._pos_embed_grid(self.patch_embed(x))
-        x = self.norm_pre(self.patch_drop(x))
+        num_tokens = x.shape[1]
+        x, keep = (
+            self.patch_drop(x) if isinstance(self.patch_drop, PatchDropoutWithIndices) else (self.patch_drop(x), None)
+        )
+        x = self.norm_pre(x)
         ctx = self.position_context(grid_size, x.device)
+        if keep is not None and (ctx.rotary or ctx.bias):
+            # patch dropout: indices of the kept tokens (prefix tokens always kept) in the full sequence
+            prefix = torch.arange(self.num_prefix_tokens, device=keep.device).expand(keep.shape[0], -1)
+            ctx.keep, ctx.num_tokens = torch.cat((prefix, keep + self.num_prefix_tokens), 1), num_tokens
         inserts = [m for m in self._schemes("absolute") if m.insert_after]
         blocks = self.blocks if last is None else self.blocks[: last + 1]
         for i, blk in enumerate(blocks):
