@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import timm
 import torch
@@ -7,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import visionpe  # noqa: F401  (registers the models)
+import visionpe.bias.irpe as irpe_module
 from visionpe.bias.irpe import IRPE, irpe_bucket_ids, irpe_num_buckets, irpe_piecewise_index
 
 
@@ -87,11 +89,19 @@ def test_product_ids_use_rows_then_columns_on_non_square_grid():
     assert ids[13, 0] == (1 + 3) * 7 + (3 + 3)
 
 
+def _naive_lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """r_{I(i,j)}: table (..., n_b) read at every pair, (..., N, N). Cross (ids (2, N, N)) reads p^y_{g(dy)} +
+    p^x_{g(dx)} for patch pairs and the one extra bucket, once, for pairs involving a prefix token (SCHEMES.md A5);
+    its row-offset ids are in [0, S), so id 2S in the first half marks a prefix pair."""
+    if ids.ndim == 2:
+        return table[..., ids]
+    prefix_pair = ids[0] == table.shape[-1] - 1 if table.shape[-1] % 2 else torch.zeros_like(ids[0], dtype=torch.bool)
+    return torch.where(prefix_pair, table[..., ids[0]], table[..., ids[0]] + table[..., ids[1]])
+
+
 def _naive_table(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Per-pair vectors r_{I(i,j)}: (h', N, N, d) from a (h', d, n_b) table (the O(N^2 d) form)."""
-    if ids.ndim == 3:
-        return table[:, :, ids[0]].permute(0, 2, 3, 1) + table[:, :, ids[1]].permute(0, 2, 3, 1)
-    return table[:, :, ids].permute(0, 2, 3, 1)
+    return _naive_lookup(table, ids).permute(0, 2, 3, 1)
 
 
 @pytest.mark.parametrize("method", ["euclidean", "quant", "cross", "product"])
@@ -140,11 +150,69 @@ def test_bias_mode_on_q_and_k_follows_the_reference(method):
     q = k = torch.randn(1, 2, 7, 8)
     ids = irpe_bucket_ids(grid, method, 1.9, 1)
     r_k, r_q = rpe.tables["k"][0], rpe.tables["q"][0]  # (h, n_b)
-    if ids.ndim == 3:  # cross: the two per-axis buckets add
-        expected = r_k[:, ids[0]] + r_k[:, ids[1]] + (r_q[:, ids[0]] + r_q[:, ids[1]]).transpose(-2, -1)
-    else:
-        expected = r_k[:, ids] + r_q[:, ids].transpose(-2, -1)
+    # cross: the two per-axis buckets add (a prefix pair reads its one extra bucket once)
+    expected = _naive_lookup(r_k, ids) + _naive_lookup(r_q, ids).transpose(-2, -1)
     torch.testing.assert_close(rpe.attn_bias(q, k, rpe.prepare(grid, 1), 0), expected[None])
+
+
+@pytest.mark.parametrize("rows", [None, slice(0, 3), slice(1, 6), slice(4, 13)])
+@pytest.mark.parametrize("prefix", [1, 2])
+def test_cross_prefix_pairs_read_the_extra_bucket_once(rows, prefix):
+    """Cross has one extra bucket (id 2S) for pairs involving a prefix token: both per-axis halves of such a pair
+    hold it, but the pair reads its entry once, in bias and contextual mode, on q (transposed), k and v, for all
+    rows or a chunk of query rows. Tables zero except the extra bucket: the prefix rows and columns are 1x it."""
+    torch.manual_seed(0)
+    heads, head_dim, grid = 2, 4, (3, 4)
+    n = prefix + grid[0] * grid[1]
+    q_rows = range(n)[rows or slice(None)]
+    bias = IRPE(heads * head_dim, heads, method="cross", mode="bias", on="qk", shared_heads=False, num_prefix_tokens=1)
+    ctx = IRPE(heads * head_dim, heads, method="cross", on="qkv", shared_heads=False, num_prefix_tokens=1)
+    extra = bias.num_buckets - 1  # 2S = 14 for r = 1.9
+    ids = irpe_bucket_ids(grid, "cross", 1.9, prefix)
+    assert (ids[:, :prefix] == extra).all() and (ids[:, :, :prefix] == extra).all()
+    q, k = torch.randn(2, heads, len(q_rows), head_dim), torch.randn(2, heads, n, head_dim)
+    attn = torch.softmax(torch.randn(2, heads, len(q_rows), n), dim=-1)
+    sel = slice(q_rows.start, q_rows.stop)
+    for values in ("unit", "random"):
+        with torch.no_grad():
+            for table in (*bias.tables.values(), *ctx.tables.values()):
+                table.zero_() if values == "unit" else torch.nn.init.normal_(table)
+            if values == "unit":
+                bias.tables["k"][..., extra] = 1.0
+                bias.tables["q"][..., extra] = 10.0
+                ctx.tables["v"][..., extra, :] = 1.0
+        got = bias.attn_bias(q, k, bias.prepare(grid, prefix), 0, rows=rows)
+        r_k, r_q = bias.tables["k"][0], bias.tables["q"][0]  # (h, n_b)
+        expected = (_naive_lookup(r_k, ids) + _naive_lookup(r_q, ids).transpose(-2, -1))[None, :, sel]
+        torch.testing.assert_close(got, expected)
+        if values == "unit":  # prefix row or column: 1 (k) + 10 (q); a prefix-prefix pair too; patch pairs 0
+            prefix_pair = torch.zeros(n, n, dtype=torch.bool)
+            prefix_pair[:prefix], prefix_pair[:, :prefix] = True, True
+            torch.testing.assert_close(got, torch.where(prefix_pair, 11.0, 0.0)[None, None, sel].expand_as(got))
+
+        state = ctx.prepare(grid, prefix)
+        scale = head_dim**-0.5
+        r_k, r_q = _naive_table(ctx.tables["k"][0], ids), _naive_table(ctx.tables["q"][0], ids)  # (h, N, N, d)
+        expected = torch.einsum("bhid,hijd->bhij", q * scale, r_k[:, sel])
+        expected += torch.einsum("bhjd,hjid->bhij", k * scale, r_q[:, :, sel])
+        torch.testing.assert_close(ctx.attn_bias(q, k, state, 0, rows=rows), expected, atol=1e-5, rtol=1e-5)
+        r_v = _naive_table(ctx.tables["v"][0].transpose(-2, -1), ids)[:, sel]  # (h, R, N, d)
+        got_v = ctx.value_term(attn, state, 0, rows=rows)
+        torch.testing.assert_close(got_v, torch.einsum("bhij,hijd->bhid", attn, r_v), atol=1e-5, rtol=1e-5)
+        if values == "unit":  # prefix rows: sum_j a_ij r^V_extra = 1
+            first = max(0, min(prefix, q_rows.stop) - q_rows.start)
+            torch.testing.assert_close(got_v[:, :, :first], torch.ones_like(got_v[:, :, :first]))
+
+
+def test_cross_extra_bucket_gradient_is_read_once():
+    torch.manual_seed(0)
+    rpe = IRPE(8, 2, method="cross", mode="bias", on="k", num_prefix_tokens=1)
+    state, q = rpe.prepare((2, 3), 1), torch.randn(1, 2, 7, 4)
+    rpe.attn_bias(q, q, state, 0).sum().backward()
+    # the extra bucket is read by the 7 + 6 pairs involving the cls token, once each (a shared-heads bias mode
+    # term is one (1, 1, 7, 7) map), each spatial bucket by its patch pairs: 6 * 6 reads of the two halves
+    grad = rpe.tables["k"].grad[0, 0]
+    assert grad[-1].item() == 13 and grad[:-1].sum().item() == 2 * 6 * 6
 
 
 def test_bias_is_translation_invariant():
@@ -205,6 +273,130 @@ def test_bad_inputs_raise():
         irpe_piecewise_index(torch.arange(3), 0.0, 1.0, 2.0)
     with pytest.raises(TypeError, match="rel"):
         irpe_piecewise_index([1, 2], 1.0, 2.0, 8.0)
+
+
+def _cuda_like_scatter_add(record: list, cols: int):
+    """``Tensor.scatter_add`` that rounds to the accumulator's dtype after every add, as CUDA's atomic adds do for
+    fp16/bf16 (CPU kernels accumulate in fp32), for a flattened (R, cols) source whose row r adds to slots of its
+    own (as iRPE's bucket sums): the columns are added one after another. Records the accumulator dtypes."""
+    original = torch.Tensor.scatter_add
+
+    def scatter_add(self, dim, index, src):
+        record.append(self.dtype)
+        if self.dtype not in (torch.float16, torch.bfloat16):
+            return original(self, dim, index, src)
+        index, src = index.unflatten(-1, (-1, cols)), src.unflatten(-1, (-1, cols))
+        for j in range(cols):  # one add per slot per step, rounded to the slot's dtype
+            self = original(self, dim, index[..., j], src[..., j])
+        return self
+
+    return scatter_add
+
+
+def test_cuda_like_scatter_add_loses_a_saturated_bf16_sum():
+    """The simulation the precision test relies on: bf16 slots that round after every add stagnate."""
+    record = []
+    index = torch.arange(4).repeat_interleave(1000)[None]  # 4 rows of 1000 terms, each row into its own slot
+    src = torch.full((1, 4000), 1e-3)
+    torch.testing.assert_close(torch.zeros(1, 4).scatter_add(-1, index, src), torch.ones(1, 4))
+    rounded = _cuda_like_scatter_add(record, 1000)(torch.zeros(1, 4, dtype=torch.bfloat16), -1, index, src.bfloat16())
+    assert (rounded.float() < 0.6).all() and record == [torch.bfloat16]
+
+
+@pytest.mark.parametrize("cast", ["module", "autocast"])
+def test_low_precision_value_term_sums_saturated_buckets_in_fp32(monkeypatch, cast):
+    """bf16 probabilities on a 32 x 32 grid, where each saturated bucket collects hundreds of terms: the bucket sums
+    run in fp32 (a bf16 accumulator that rounds after every add, as on CUDA, loses most of them), and the value term
+    stays close to the fp32 one, with the module cast to bf16 or under bf16 autocast."""
+    torch.manual_seed(0)
+    grid, n, rows = (32, 32), 1 + 32 * 32, slice(100, 164)  # one chunk of 64 query rows
+    rpe = IRPE(16, 2, on="v", num_prefix_tokens=1)
+    torch.nn.init.normal_(rpe.tables["v"])
+    state = rpe.prepare(grid, 1)
+    attn = torch.softmax(torch.randn(1, 2, 64, n) * 0.1, dim=-1)
+    expected = rpe.value_term(attn, state, 0, rows=rows)
+    record = []
+    monkeypatch.setattr(torch.Tensor, "scatter_add", _cuda_like_scatter_add(record, n))
+    if cast == "module":
+        rpe.to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast == "autocast"):
+        got = rpe.value_term(attn.bfloat16(), state, 0, rows=rows)
+    assert got.dtype == torch.bfloat16 and record == [torch.float32]
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cast", ["module", "autocast"])
+def test_low_precision_contextual_bias_gathers_from_fp32_products(monkeypatch, cast):
+    """bf16 q and k: Z = q R^K and k R^Q are computed and gathered in fp32, so the gather's backward adds each
+    saturated bucket's gradient in fp32 (in bf16, CUDA rounds after every add); the bias, rounded once to q's dtype,
+    and the tables' gradients stay close to fp32."""
+    torch.manual_seed(0)
+    grid, n, rows = (32, 32), 1 + 32 * 32, slice(200, 264)
+    rpe = IRPE(16, 2, on="qk", num_prefix_tokens=1)
+    for table in rpe.tables.values():
+        torch.nn.init.normal_(table)
+    state = rpe.prepare(grid, 1)
+    q, k, upstream = torch.randn(1, 2, 64, 8), torch.randn(1, 2, n, 8), torch.randn(1, 2, 64, n)
+    expected = rpe.attn_bias(q, k, state, 0, rows=rows)
+    (expected * upstream).sum().backward()
+    expected_grads = {t: table.grad.clone() for t, table in rpe.tables.items()}
+    rpe.zero_grad()
+    record, gather = [], irpe_module.gather_offsets
+    monkeypatch.setattr(irpe_module, "gather_offsets", lambda t, i: record.append(t.dtype) or gather(t, i))
+    if cast == "module":
+        rpe.to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast == "autocast"):
+        got = rpe.attn_bias(q.bfloat16(), k.bfloat16(), state, 0, rows=rows)
+        (got.float() * upstream).sum().backward()
+    values = [dtype for dtype in record if dtype.is_floating_point]  # not the int32 bucket maps
+    assert got.dtype == torch.bfloat16 and values == [torch.float32] * 2
+    torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=2e-2)
+    for target, table in rpe.tables.items():
+        error = (table.grad.float() - expected_grads[target]).abs().max()
+        assert error <= 2e-2 * expected_grads[target].abs().max(), target
+
+
+@pytest.mark.parametrize("alpha, beta", [(1.5, 1.5), (2.6, 2.7), (0.6, 0.9)])
+def test_piecewise_index_rejects_alpha_rounding_past_floor_beta(alpha, beta):
+    """round(x) for |x| <= alpha reaches round(alpha): past floor(beta) it would leave the documented range
+    [-floor(beta), floor(beta)] (alpha = beta = 1.5 gave g(1.5) = 2, above g(2.6) = 1)."""
+    with pytest.raises(
+        ValueError,
+        match=rf"alpha and beta must satisfy round\(alpha\) <= floor\(beta\).*got "
+        rf"alpha={alpha}, beta={beta}",
+    ):
+        irpe_piecewise_index(torch.arange(-3, 4), alpha, beta, 8 * alpha)
+
+
+@pytest.mark.parametrize("alpha, beta", [(1.4, 1.5), (2.5, 2.7), (0.5, 0.9), (1.9, 3.8)])
+def test_piecewise_index_stays_in_range_when_round_alpha_fits(alpha, beta):
+    g = irpe_piecewise_index(torch.linspace(-50, 50, 2001), alpha, beta, 8 * alpha)
+    assert g.abs().max() <= math.floor(beta) and (g.diff() >= 0).all()
+
+
+def test_invalid_argument_types_raise():
+    with pytest.raises(
+        TypeError, match=r"rel must be a real \(integer or floating-point\) tensor, got dtype torch.bool"
+    ):
+        irpe_piecewise_index(torch.tensor([True, False]), 1.9, 3.8, 15.2)
+    for on in (None, 5):
+        with pytest.raises(TypeError, match=rf"on must be a str or a sequence of targets .*got {type(on).__name__}"):
+            IRPE(16, 2, on=on)
+    for shared in ("False", 0, None, np.bool_(False)):
+        with pytest.raises(TypeError, match=rf"shared_heads must be a bool, got {type(shared).__name__}"):
+            IRPE(16, 2, shared_heads=shared)
+    assert IRPE(16, 2, on=["q", "k"], shared_heads=False).tables["q"].shape == (1, 2, 8, 50)
+    rpe = IRPE(16, 2, on="qkv")
+    state = rpe.prepare((2, 3), 1)
+    q = torch.randn(1, 2, 7, 8)
+    for dtype in (torch.int64, torch.bool):
+        bad = torch.ones(1, 2, 7, 8, dtype=dtype)
+        with pytest.raises(TypeError, match=rf"q must be a floating-point tensor, got dtype {dtype}"):
+            rpe.attn_bias(bad, q, state, 0)
+        with pytest.raises(TypeError, match=rf"k must be a floating-point tensor, got dtype {dtype}"):
+            rpe.attn_bias(q, bad, state, 0)
+        with pytest.raises(TypeError, match=rf"attn must be a floating-point tensor, got dtype {dtype}"):
+            rpe.value_term(torch.ones(1, 2, 7, 7, dtype=dtype), state, 0)
 
 
 _ALL_TARGETS = {"on": "qkv", "shared_heads": False, "method": "cross"}

@@ -4,14 +4,18 @@ e_ij = (q_i k_j + b_ij) / sqrt(d), with b_ij = r_{I(i,j)} (bias mode) or q_i r^K
 + k_j r^Q_{I(i,j)} on Q); on V: z_i = sum_j a_ij (v_j + r^V_{I(i,j)}). The bucket I(i,j) comes from the
 piecewise index g(x) = round(x) if |x| <= alpha, else sign(x) min(beta, round(alpha + ln(|x|/alpha) /
 ln(gamma/alpha) (beta - alpha))), alpha:beta:gamma = r:2r:8r, applied to the (row, col) offset by one of four
-methods (euclidean, quant, cross, product). Pairs involving a prefix token read one extra bucket.
+methods (euclidean, quant, cross, product). Pairs involving a prefix token read one extra bucket, once (cross
+included, whose two per-axis lookups both land on it: each reads half of its entry).
 As in the reference code, q is scaled by 1/sqrt(d) before the contextual products, and the bias-mode scalar
 r_{I(i,j)} is added to the logits as it is (not divided by sqrt(d)); the bias-mode q term reads bucket I(j, i)
 (the reference's key-side lookup, transposed), so its tables load unchanged.
 
 Computed bucket-first, without the authors' CUDA op: Z = q R^K is (B, h, N, n_buckets), then b_ij =
 Z[i, I(i,j)] is a gather by the bucket map. The value term scatter-adds the attention probabilities into bucket
-sums (B, h, N, n_buckets) and multiplies by the value table.
+sums (B, h, N, n_buckets) and multiplies by the value table. Bucket sums of half-precision probabilities, and the
+contextual products Z of half-precision (or autocast) q and k with the gather that reads them, are computed in fp32:
+a saturated bucket collects thousands of terms, which a bf16 accumulator (CUDA's scatter_add, and the gather's
+backward) would round after every add; the bias and the value term are rounded to the activation dtype once.
 
 Memory: the per-grid state is the bucket of every offset, (2H - 1)(2W - 1) values; each block gathers the rows
 of the bucket map it needs (all rows, or one chunk of query rows when attention runs in query chunks) through an
@@ -21,6 +25,7 @@ offset index built from coordinate differences, so a large grid never holds an (
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,7 +61,8 @@ def irpe_piecewise_index(rel: torch.Tensor, alpha: float, beta: float, gamma: fl
 
     Args:
         rel: relative positions, any shape, real or integer.
-        alpha, beta, gamma: 0 < alpha <= beta, gamma > alpha (the paper uses r : 2r : 8r).
+        alpha, beta, gamma: 0 < alpha <= beta, round(alpha) <= floor(beta), gamma > alpha (the paper uses
+            r : 2r : 8r, which always satisfies them).
 
     Returns:
         int64 tensor of the shape of ``rel``, values in [-floor(beta), floor(beta)].
@@ -70,10 +76,15 @@ def irpe_piecewise_index(rel: torch.Tensor, alpha: float, beta: float, gamma: fl
     alpha, beta, gamma = (validate_positive(v, n) for n, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)))
     if beta < alpha:
         raise ValueError(f"beta must be >= alpha, got alpha={alpha}, beta={beta}")
+    if round(alpha) > math.floor(beta):  # round(x) for |x| <= alpha would leave [-floor(beta), floor(beta)]
+        raise ValueError(
+            f"alpha and beta must satisfy round(alpha) <= floor(beta) (outputs in [-floor(beta), floor(beta)]), "
+            f"got alpha={alpha}, beta={beta}: round(alpha)={round(alpha)} > floor(beta)={math.floor(beta)}"
+        )
     if gamma <= alpha:
         raise ValueError(f"gamma must be > alpha, got alpha={alpha}, gamma={gamma}")
-    if rel.is_complex():
-        raise TypeError(f"rel must be a real tensor, got dtype {rel.dtype}")
+    if rel.is_complex() or rel.dtype == torch.bool:
+        raise TypeError(f"rel must be a real (integer or floating-point) tensor, got dtype {rel.dtype}")
     rel = rel.to(torch.float64)
     if not torch.compiler.is_compiling() and not torch.isfinite(rel).all():  # no data-dependent branch in graphs
         raise ValueError("rel must be finite, got NaN or inf relative positions")
@@ -114,7 +125,8 @@ def irpe_bucket_ids(
 
     Returns:
         int64 ``(P + N, P + N)`` for euclidean, quant and product; ``(2, P + N, P + N)`` for cross, the
-        row-offset buckets in [0, S) and the column-offset buckets in [S, 2S).
+        row-offset buckets in [0, S) and the column-offset buckets in [S, 2S). A cross prefix pair holds the extra
+        bucket in both halves and reads it once: :class:`IRPE` sums the two halves with half the extra entry each.
 
     Example:
         >>> irpe_bucket_ids((1, 2), "product", 1.9)
@@ -209,7 +221,14 @@ class IRPE(BiasPositionEncoding):
         _check_method(method)
         if mode not in IRPE_MODES:
             raise ValueError(f"iRPE mode must be one of {IRPE_MODES}, got {mode!r}")
-        on_set = tuple(on) if isinstance(on, str) else tuple(on)
+        if not isinstance(on, (str, Sequence)):
+            raise TypeError(
+                f"on must be a str or a sequence of targets among 'q', 'k', 'v' (e.g. 'k' or 'qkv'), "
+                f"got {type(on).__name__} ({on!r})"
+            )
+        if not isinstance(shared_heads, bool):
+            raise TypeError(f"shared_heads must be a bool, got {type(shared_heads).__name__} ({shared_heads!r})")
+        on_set = tuple(on)
         if not on_set or any(t not in ("q", "k", "v") for t in on_set) or len(set(on_set)) != len(on_set):
             raise ValueError(f"on must name distinct targets among 'q', 'k', 'v' (e.g. 'k' or 'qkv'), got {on!r}")
         if mode == "bias" and "v" in on_set:
@@ -217,7 +236,7 @@ class IRPE(BiasPositionEncoding):
         check_model_shape(dim, num_heads, depth)
         validate_count(num_prefix_tokens)
         self.method, self.mode, self.on = method, mode, "".join(t for t in "qkv" if t in on_set)
-        self.ratio, self.shared_heads = validate_positive(ratio, "ratio"), bool(shared_heads)
+        self.ratio, self.shared_heads = validate_positive(ratio, "ratio"), shared_heads
         self.num_prefix_tokens, self.num_heads, self.head_dim = num_prefix_tokens, num_heads, dim // num_heads
         self.num_buckets = irpe_num_buckets(method, self.ratio, num_prefix_tokens)
         self.needs_probs = "v" in self.on
@@ -266,6 +285,20 @@ class IRPE(BiasPositionEncoding):
             return gather_offsets(flat_values, flat[0]) + gather_offsets(flat_values, flat[1])
         return gather_offsets(flat_values, flat)
 
+    def _table(self, target: str, layer: int) -> torch.Tensor:
+        """The ``target`` table of block ``layer`` as the lookups read it.
+
+        Cross sums a row-offset and a column-offset lookup, and a prefix pair finds the one extra bucket in both:
+        each half reads half of its entry, so the pair gets the entry exactly once (x/2 + x/2 = x in floating
+        point), and so does its gradient. The other methods, and cross without prefix tokens, read the table as is.
+        """
+        table = self.tables[target][layer]
+        if self.method != "cross" or self.num_prefix_tokens == 0:
+            return table
+        bucket_dim = -2 if target == "v" and self.mode == "contextual" else -1  # v: (h', n_b, d); q, k: (.., n_b)
+        head, extra = table.split((self.num_buckets - 1, 1), dim=bucket_dim)
+        return torch.cat((head, extra * 0.5), dim=bucket_dim)
+
     def _flat_ids(self, state: IRPEState, rows: range, cols: range) -> torch.Tensor:
         """Gather indices (..., R, C) for query tokens ``rows`` and key tokens ``cols``: the rows of ``state.flat``,
         re-based so that token ``rows.start`` is row 0 of Z."""
@@ -288,14 +321,19 @@ class IRPE(BiasPositionEncoding):
                 f"{name} must have shape (B, num_heads={self.num_heads}, {expected}, {self.head_dim}) for this grid"
                 f"{'' if rows is None else f' and rows={rows}'}, got {got}"
             )
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
         return expected
 
     def attn_bias(
         self, q: torch.Tensor, k: torch.Tensor, state: IRPEState, layer: int, rows: slice | None = None
     ) -> torch.Tensor:
-        """Logits (B or 1, h or 1, R, P + N) from q (B, h, R, head_dim) and k (B, h, P + N, head_dim).
+        """Logits (B or 1, h or 1, R, P + N) in the dtype of q, from q (B, h, R, head_dim) and k
+        (B, h, P + N, head_dim).
 
-        R = P + N, or the query rows ``rows`` (a slice) when attention is computed in query chunks.
+        R = P + N, or the query rows ``rows`` (a slice) when attention is computed in query chunks. For fp16/bf16
+        q and k, or under autocast, the products Z = q R^K, k R^Q and their gathers (whose backward adds up each
+        bucket's gradient) run in fp32 without autocast; the bias is rounded to q's dtype once.
         """
         num_rows = self._check_rows(q, state, "q", rows)
         self._check_rows(k, state, "k", None)
@@ -304,31 +342,38 @@ class IRPE(BiasPositionEncoding):
         flat = self._flat_ids(state, selected, every)
         bias = None
         scale = self.head_dim**-0.5  # (q / sqrt(d)) R = q (R / sqrt(d)): scale the small table, not q
-        for target in self.on.replace("v", ""):
-            table = self.tables[target][layer]
-            if target == "k":
-                if self.mode == "bias":
-                    term = self._lookup(table[None, :, None, :].expand(-1, -1, num_rows, -1), flat)
+        low = torch.finfo(q.dtype).bits < 32 or torch.finfo(k.dtype).bits < 32
+        exact = low or torch.is_autocast_enabled(q.device.type)
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32) if exact else q.dtype
+        with torch.autocast(q.device.type, enabled=False) if exact else contextlib.nullcontext():
+            for target in self.on.replace("v", ""):
+                table = self._table(target, layer)
+                if target == "k":
+                    if self.mode == "bias":
+                        values = table[None, :, None, :].expand(-1, -1, num_rows, -1)
+                        term = self._lookup(values.float() if low else values, flat)
+                    else:
+                        term = self._lookup(q.to(dtype) @ (table * scale).to(dtype), flat)
                 else:
-                    term = self._lookup(q @ (table * scale).to(q.dtype), flat)
-            else:
-                # the query-side term is a key-side lookup, transposed, as the reference code does in both modes:
-                # pair (i, j) reads bucket I(j, i) of the q table (for product and cross, the bucket of -delta)
-                flat_t = self._flat_ids(state, every, selected)
-                if self.mode == "bias":
-                    values = table[None, :, None, :].expand(-1, -1, state.num_tokens, -1)
-                else:
-                    values = k @ (table * scale).to(k.dtype)
-                term = self._lookup(values, flat_t).transpose(-2, -1)
-            bias = term if bias is None else bias + term
+                    # the query-side term is a key-side lookup, transposed, as the reference code does in both
+                    # modes: pair (i, j) reads bucket I(j, i) of the q table (for product and cross, of -delta)
+                    flat_t = self._flat_ids(state, every, selected)
+                    if self.mode == "bias":
+                        values = table[None, :, None, :].expand(-1, -1, state.num_tokens, -1)
+                        values = values.float() if low else values
+                    else:
+                        values = k.to(dtype) @ (table * scale).to(dtype)
+                    term = self._lookup(values, flat_t).transpose(-2, -1)
+                bias = term if bias is None else bias + term
         if bias is None:  # values only: no logit term
             return q.new_zeros(1, 1, 1, 1)
-        return bias
+        return bias.to(q.dtype) if exact else bias
 
     def value_term(self, attn: torch.Tensor, state: IRPEState, layer: int, rows: slice | None = None) -> torch.Tensor:
         """sum_j a_ij r^V_{I(i,j)}: probabilities ``attn`` (B, h, R, P + N) -> (B, h, R, head_dim).
 
-        R = P + N, or the query rows ``rows`` when attention is computed in query chunks.
+        R = P + N, or the query rows ``rows`` when attention is computed in query chunks. fp16/bf16 probabilities
+        are summed into their buckets in fp32 (without autocast); the result is rounded to attn's dtype once.
         """
         if "v" not in self.on:
             return super().value_term(attn, state, layer)
@@ -340,14 +385,22 @@ class IRPE(BiasPositionEncoding):
         if not isinstance(attn, torch.Tensor) or attn.ndim != 4 or tuple(attn.shape[1:]) != expected:
             shape = tuple(attn.shape) if isinstance(attn, torch.Tensor) else type(attn).__name__
             raise ValueError(f"attn must have shape (B, num_heads={self.num_heads}, {num_rows}, {n}), got {shape}")
+        if not attn.is_floating_point():
+            raise TypeError(f"attn must be a floating-point tensor, got dtype {attn.dtype}")
         flat = self._flat_ids(state, selected, range(n))
-        flat_attn = attn.flatten(-2)
-        sums = attn.new_zeros(*attn.shape[:2], num_rows * self.num_buckets)
-        for flat_ids in flat if self.method == "cross" else (flat,):
-            # scatter_add with the index expanded over (B, heads), not index_add along the last dim, which adds
-            # one element at a time inside a loop over (B, heads): 2.6x (224 px) to 10x (1024 px) faster on CPU
-            sums = sums.scatter_add(-1, flat_ids.flatten().long().expand_as(flat_attn), flat_attn)
-        return sums.unflatten(-1, (num_rows, self.num_buckets)) @ self.tables["v"][layer].to(attn.dtype)
+        table = self._table("v", layer)
+        # a saturated bucket sums thousands of probabilities: in fp32 for half-precision attn (CUDA's scatter_add
+        # rounds to the slot's dtype after every add), as they are for fp32 and fp64
+        low = torch.finfo(attn.dtype).bits < 32
+        with torch.autocast(attn.device.type, enabled=False) if low else contextlib.nullcontext():
+            flat_attn = attn.flatten(-2).float() if low else attn.flatten(-2)
+            sums = flat_attn.new_zeros(*attn.shape[:2], num_rows * self.num_buckets)
+            for flat_ids in flat if self.method == "cross" else (flat,):
+                # scatter_add with the index expanded over (B, heads), not index_add along the last dim, which adds
+                # one element at a time inside a loop over (B, heads): 2.6x (224 px) to 10x (1024 px) faster on CPU
+                sums = sums.scatter_add(-1, flat_ids.flatten().long().expand_as(flat_attn), flat_attn)
+            out = sums.unflatten(-1, (num_rows, self.num_buckets)) @ table.to(sums.dtype)
+        return out.to(attn.dtype) if low else out
 
     def no_weight_decay(self) -> set[str]:
         return {f"tables.{t}" for t in self.tables}
