@@ -1,9 +1,10 @@
+import numpy as np
 import pytest
 import timm
 import torch
 
 import visionpe  # noqa: F401  (registers the models)
-from visionpe.absolute.cpe import PEG
+from visionpe.absolute.cpe import PEG, PositionEncodingGenerator
 
 
 def _peg(dim=8, **kwargs) -> PEG:
@@ -79,6 +80,38 @@ def test_bad_inputs_raise():
         peg(torch.randn(1, 13, 8), (3, 5), 1)
     with pytest.raises(ValueError, match="after_block"):
         peg(torch.randn(1, 16, 8), (3, 5), 1, after_block=2)
+
+
+@pytest.mark.parametrize(
+    "dim, error, match",
+    [
+        (0, ValueError, r"dim must be a positive int, got 0"),
+        (-8, ValueError, r"dim must be a positive int, got -8"),
+        (8.0, TypeError, r"dim must be a positive int, got float \(8.0\)"),
+        (True, TypeError, r"dim must be a positive int, got bool \(True\)"),
+    ],
+)
+def test_bad_dim_raises_naming_dim(dim, error, match):
+    with pytest.raises(error, match=match):
+        PEG(dim)
+    with pytest.raises(error, match=match):
+        PositionEncodingGenerator(dim)
+
+
+def test_insert_after_accepts_any_integer_type_but_not_bool():
+    for given in (
+        np.int64(2),
+        torch.tensor(2),
+        np.array([0, 2]),
+        [np.int32(0), 2],
+        torch.tensor([0, 2]),
+        range(0, 3, 2),
+    ):
+        peg = PEG(8, depth=3, insert_after=given)
+        assert peg.insert_after in ((2,), (0, 2)) and all(type(b) is int for b in peg.insert_after)
+    for given in (True, (0, True), np.bool_(True), np.array([0.0]), 1.0, "0", None, {0: 1}):
+        with pytest.raises(ValueError, match=r"insert_after must be increasing distinct block indices in \[0, 3\)"):
+            PEG(8, depth=3, insert_after=given)
 
 
 @pytest.mark.parametrize("size", [(224, 224), (384, 384), (160, 224)])

@@ -75,6 +75,21 @@ def test_bad_inputs_raise():
         LearnableFourierPosEmbed(24)(torch.randn(1, 10, 24), (3, 5), 1)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_positions_raise_like_encode(bad):
+    lff = LearnableFourierFeatures(2, 24)
+    positions = torch.rand(5, 1, 2)
+    positions[3, 0, 1] = bad
+    for call in (lff.features, lff):
+        with pytest.raises(ValueError, match=r"positions must be finite, got NaN or inf"):
+            call(positions)
+    with pytest.raises(ValueError, match=r"coords must be finite, got NaN or inf"):
+        LearnableFourierPosEmbed(24).encode(positions[:, 0])
+    with pytest.raises(TypeError, match=r"positions must be a real \(integer or floating-point\) tensor, got dtype"):
+        lff(torch.ones(5, 1, 2, dtype=torch.bool))
+    torch.testing.assert_close(lff(torch.ones(5, 1, 2, dtype=torch.int64)), lff(torch.ones(5, 1, 2)))
+
+
 @pytest.mark.parametrize("size", [(224, 224), (384, 384), (160, 224)])
 @pytest.mark.parametrize("bf16", [False, True])
 def test_model_forward_backward(size, bf16):

@@ -7,12 +7,13 @@ absolute position. Placed after block 0 (CPVT default) or after blocks 0..4 ("0-
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from ..base import AbsolutePositionEncoding
+from ..base import AbsolutePositionEncoding, check_model_shape
 from ..registry import register_scheme
 
 __all__ = ["PEG", "PositionEncodingGenerator"]
@@ -28,6 +29,7 @@ class PositionEncodingGenerator(nn.Module):
 
     def __init__(self, dim: int, kernel_size: int = 3) -> None:
         super().__init__()
+        check_model_shape(dim, 1)
         if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be a positive odd int, got {kernel_size!r}")
         self.proj = nn.Conv2d(dim, dim, kernel_size, stride=1, padding=kernel_size // 2, groups=dim, bias=True)
@@ -41,13 +43,24 @@ class PositionEncodingGenerator(nn.Module):
         return torch.cat([prefix, patches], dim=1)
 
 
+def _block_index(value) -> int | None:
+    """``value`` as an int if it is an integer (Python or NumPy int, 0-d integer tensor), not a bool; else None."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 @register_scheme("cpe")
 class PEG(AbsolutePositionEncoding):
     """Conditional position encoding, applied after the blocks in ``insert_after``.
 
     Args:
         dim, num_heads, depth: model shape.
-        insert_after: block indices, e.g. ``(0,)`` (default) or ``(0, 1, 2, 3, 4)``; one PEG each.
+        insert_after: block indices, e.g. ``(0,)`` (default) or ``(0, 1, 2, 3, 4)``, or one index; one PEG each.
+            Python or NumPy ints (also a 1-D integer array or tensor); not bools.
         kernel_size: depthwise kernel size (3).
 
     The model calls the scheme after each listed block with ``after_block`` set, which selects that block's PEG;
@@ -65,12 +78,18 @@ class PEG(AbsolutePositionEncoding):
         kernel_size: int = 3,
     ) -> None:
         super().__init__()
-        blocks = (insert_after,) if isinstance(insert_after, int) else tuple(insert_after)
-        if (
-            not blocks
-            or any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < depth for b in blocks)
-            or list(blocks) != sorted(set(blocks))
-        ):
+        check_model_shape(dim, num_heads, depth)
+        given = insert_after
+        if (isinstance(given, torch.Tensor) or type(given).__module__ == "numpy") and getattr(given, "ndim", 0) > 0:
+            given = given.tolist()  # a 1-D integer tensor or NumPy array of block indices
+        single = _block_index(given)
+        if single is not None:
+            blocks = (single,)
+        elif isinstance(given, (tuple, list, range)):
+            blocks = tuple(_block_index(b) for b in given)
+        else:
+            blocks = None
+        if not blocks or any(b is None or not 0 <= b < depth for b in blocks) or list(blocks) != sorted(set(blocks)):
             raise ValueError(
                 f"insert_after must be increasing distinct block indices in [0, {depth}), got {insert_after!r}"
             )

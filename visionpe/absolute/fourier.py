@@ -74,6 +74,10 @@ class LearnableFourierFeatures(nn.Module):
             raise ValueError(
                 f"positions must have shape (..., G={self.num_groups}, M={self.pos_dim}), got {tuple(positions.shape)}"
             )
+        if positions.is_complex() or positions.dtype == torch.bool:
+            raise TypeError(f"positions must be a real (integer or floating-point) tensor, got dtype {positions.dtype}")
+        if not torch.compiler.is_compiling() and not torch.isfinite(positions).all():  # no data-dependent branch
+            raise ValueError("positions must be finite, got NaN or inf in LearnableFourierFeatures positions")
         with torch.autocast(positions.device.type, enabled=False):
             angles = positions.float() @ self.freqs.float().t()
             return torch.cat([angles.cos(), angles.sin()], dim=-1) / math.sqrt(self.fourier_dim)
