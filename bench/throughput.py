@@ -8,6 +8,7 @@ in the same run; timm's own RoPE ViTs (Eva) are printed as reference rows.
     .venv/bin/python bench/throughput.py                  # all schemes
     .venv/bin/python bench/throughput.py --schemes rope_axial rope_mixed --rounds 5
     .venv/bin/python bench/throughput.py --malloc retain  # glibc keeps freed memory: no page faults per step
+    .venv/bin/python bench/throughput.py --patch-drop 0.5  # every model, the baseline too, with timm's patch dropout
 
 ``--malloc retain`` (Linux, glibc) sets M_MMAP_THRESHOLD to its 32 MB maximum and M_TRIM_THRESHOLD beyond any
 heap before the models are built, for every model of the run alike. With the default allocator, freed memory at
@@ -64,7 +65,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--malloc", choices=["default", "retain"], default="default", help="see the module notes")
+    parser.add_argument("--patch-drop", type=float, default=0.0, help="timm's patch_drop_rate for every model")
     args = parser.parse_args()
+    if not 0 <= args.patch_drop < 1:
+        parser.error(f"--patch-drop must be in [0, 1), got {args.patch_drop}")
     if args.malloc == "retain":
         retain_heap()
     if args.threads:
@@ -72,12 +76,13 @@ def main() -> None:
     torch.manual_seed(0)
 
     schemes = [[s] for s in args.schemes] if args.schemes else [[s] for s in visionpe.list_schemes()] + COMBOS
-    models = {"timm vit_small_patch16_224 (baseline)": timm.create_model("vit_small_patch16_224")}
+    drop = {"patch_drop_rate": args.patch_drop} if args.patch_drop else {}
+    models = {"timm vit_small_patch16_224 (baseline)": timm.create_model("vit_small_patch16_224", **drop)}
     for ref in REFERENCES:
-        models[f"timm {ref} (reference)"] = timm.create_model(ref, img_size=args.size)
+        models[f"timm {ref} (reference)"] = timm.create_model(ref, img_size=args.size, **drop)
     for names in schemes:
         label = "+".join(names)
-        models[label] = timm.create_model("visionpe_vit_small_patch16_224", pos_embed=names, img_size=args.size)
+        models[label] = timm.create_model("visionpe_vit_small_patch16_224", pos_embed=names, img_size=args.size, **drop)
     images = torch.randn(args.batch, 3, args.size, args.size)
     for model in models.values():
         model.train()
@@ -92,7 +97,7 @@ def main() -> None:
     base = statistics.median(next(iter(times.values())))
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, {args.size}px, "
-        f"fwd+bwd, median of {args.rounds} interleaved rounds, {args.malloc} malloc"
+        f"fwd+bwd, median of {args.rounds} interleaved rounds, {args.malloc} malloc, patch dropout {args.patch_drop}"
     )
     print("| model | images/s | ratio to timm ViT-S |")
     print("|---|---|---|")
