@@ -1,0 +1,32 @@
+"""bench/gpu_checks.py runs on CPU as a dry run and its checks fail when bf16 and fp32 disagree."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def checks():
+    spec = importlib.util.spec_from_file_location("gpu_checks", ROOT / "bench" / "gpu_checks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_on_cpu(checks):
+    passed, detail = checks.check_scheme("rope_axial", "cpu", 32, 0.5, tol=0.05)
+    assert passed and "bf16 vs fp32 logits" in detail
+    passed, detail = checks.check_irpe_value_term("cpu", 64, tol=0.05)
+    assert passed and "at 64 px" in detail
+    passed, _ = checks.check_scheme("irpe", "cpu", 32, 0.0, tol=1e-9)  # bf16 is not within 1e-9 of fp32
+    assert not passed
+
+
+def test_refuses_cuda_without_a_device(checks, monkeypatch):
+    monkeypatch.setattr(checks.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["gpu_checks.py"])
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        checks.main()
