@@ -347,7 +347,7 @@ BAD_OPTIONS = [
     ("mrope", {"continuation": "bogus"}, ValueError, r"continuation must be one of \('max_plus_one', .*got 'bogus'"),
     ("mrope_abs_time", {"continuation": 3}, ValueError, "continuation must be one of .*got 3"),
     ("v2pe", {"delta": -1.0}, ValueError, r"delta must be positive and finite, got \[-1.0\]"),
-    ("v2pe", {"delta": "x"}, TypeError, r"delta must be a number or a \(B,\) tensor, got str"),
+    ("v2pe", {"delta": "x"}, TypeError, r"delta must be a number, a \(B,\) or a \(B, K\) tensor, got str"),
     ("videorope", {"delta": float("nan")}, ValueError, "delta must be positive and finite"),
     ("hope", {"temporal_scale": 0}, ValueError, "temporal_scale must be positive and finite"),
     ("mrope_abs_time", {"tokens_per_second": 0}, ValueError, "tokens_per_second must be positive and finite, got 0"),
