@@ -27,6 +27,7 @@ __all__ = [
     "RotaryPositionEncoding",
     "BiasPositionEncoding",
     "check_coords",
+    "check_layer",
     "check_model_shape",
     "check_rotate_input",
 ]
@@ -70,6 +71,14 @@ def check_coords(coords: torch.Tensor, ndims: tuple[int, ...], scheme: str) -> t
     return coords
 
 
+def check_layer(layer: int, depth: int | None, scheme: str) -> int:
+    """``layer`` if it is an int (not a bool) in ``[0, depth)`` (any non-negative int when ``depth`` is None), else a
+    ValueError naming ``layer``, the range and the scheme: a cheap Python check for the per-block paths."""
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < (depth or layer + 1):
+        raise ValueError(f"layer must be an int in [0, depth={depth}) for {scheme}, got {layer!r}")
+    return layer
+
+
 def check_rotate_input(scheme: nn.Module, x: torch.Tensor, coords: torch.Tensor, layer: int) -> torch.Tensor:
     """Validate the arguments of ``rotate`` (x (B, num_heads, N, head_dim), coords (N, ndim), layer); return coords
     as a float tensor on x's device."""
@@ -82,9 +91,7 @@ def check_rotate_input(scheme: nn.Module, x: torch.Tensor, coords: torch.Tensor,
         raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
     if x.ndim != 4 or (heads and (x.shape[1], x.shape[3]) != (heads, head_dim)) or x.shape[0] == 0:
         raise ValueError(f"x must be a non-empty {expected} tensor for {name}, got shape {tuple(x.shape)}")
-    depth = getattr(scheme, "depth", None)
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < (depth or layer + 1):
-        raise ValueError(f"layer must be an int in [0, depth={depth}) for {name}, got {layer!r}")
+    check_layer(layer, getattr(scheme, "depth", None), name)
     coords = check_coords(coords, scheme.ndims, name)
     if coords.shape[0] != x.shape[2]:
         raise ValueError(f"coords has {coords.shape[0]} rows but x has {x.shape[2]} tokens (dim 2)")
@@ -108,8 +115,21 @@ class PositionEncoding(nn.Module):
         return grid_size
 
     def coords(self, grid_size: tuple[int, ...], device=None) -> torch.Tensor:
-        """Patch coordinates in this scheme's coordinate mode, ``(N, ndim)``."""
-        return grid_coords(self.check_grid(grid_size), mode=self.coord_mode, device=device)
+        """Patch coordinates in this scheme's coordinate mode, ``(N, ndim)``.
+
+        ``ref_scaled`` (i * n_train / n, position interpolation) is relative to the scheme's training grid,
+        ``train_grid_size``.
+        """
+        grid_size = self.check_grid(grid_size)
+        if self.coord_mode != "ref_scaled":
+            return grid_coords(grid_size, mode=self.coord_mode, device=device)
+        train = getattr(self, "train_grid_size", None)
+        if train is None:
+            raise ValueError(
+                f"{type(self).__name__} has coord_mode='ref_scaled', which needs the training grid "
+                "(train_grid_size, from grid_size at construction), got None"
+            )
+        return grid_coords(grid_size, mode="ref_scaled", ref_grid_size=train, device=device)
 
     def set_grid_size(self, grid_size: tuple[int, ...]) -> None:  # noqa: B027 - optional hook
         """Called when the model's nominal grid changes (``set_input_size``); tables may resample."""
@@ -188,13 +208,42 @@ class RotaryPositionEncoding(PositionEncoding, ABC):
         """
         return None
 
-    def rotate(self, x: torch.Tensor, coords: torch.Tensor, layer: int = 0) -> torch.Tensor:
+    def rotate(
+        self, x: torch.Tensor, coords: torch.Tensor, layer: int = 0, grid_size: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
         """Rotate ``x`` (B, num_heads, N, head_dim) by the positions ``coords`` (N, ndim).
 
         Every token of ``x`` is rotated; the model passes prefix tokens separately and leaves them as they are.
+
+        ``grid_size``: the grid ``coords`` come from, which the extrapolation mode (``pi``, ``ntk``, ``yarn``)
+        scales against the training grid, as the model path does. When it is None and a mode is set, it is read off
+        integer ``index`` coordinates (``coords.amax(0) + 1``); other coordinates then need it given (ValueError).
         """
         coords = check_rotate_input(self, x, coords, layer)
-        return self.apply(x, self.prepare(coords, 0), layer)
+        return self.apply(x, self.prepare(coords, 0, grid_size=self.rotation_grid_size(coords, grid_size)), layer)
+
+    def rotation_grid_size(self, coords: torch.Tensor, grid_size: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """The grid that :meth:`rotate` passes to :meth:`prepare`: ``grid_size`` checked, or, when it is None and an
+        extrapolation mode is set, inferred from ``index`` coordinates (non-negative integers) as
+        ``coords.amax(0) + 1``; ValueError asking for ``grid_size`` when it cannot be inferred."""
+        if grid_size is not None:
+            grid_size = self.check_grid(grid_size)
+            if len(grid_size) != coords.shape[1]:
+                raise ValueError(
+                    f"grid_size must have one entry per coordinate axis ({coords.shape[1]}), got {grid_size}"
+                )
+            return grid_size
+        mode = getattr(self, "extrapolation", "none")
+        if mode == "none":
+            return None
+        index_mode = self.coord_mode == "index" and not getattr(self, "_scales_own_coords", False)
+        if index_mode and coords.shape[0] > 0 and bool((coords >= 0).all()) and bool((coords == coords.round()).all()):
+            return tuple(int(n) + 1 for n in coords.amax(0).tolist())
+        raise ValueError(
+            f"{type(self).__name__} has extrapolation={mode!r}, which scales against the grid the coordinates come "
+            f"from: pass grid_size=(...) to rotate (it can only be inferred from non-negative integer 'index' "
+            f"coordinates; coord_mode={self.coord_mode!r})"
+        )
 
 
 class BiasPositionEncoding(PositionEncoding, ABC):

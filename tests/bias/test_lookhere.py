@@ -1,3 +1,4 @@
+import math
 import re
 
 import pytest
@@ -186,3 +187,49 @@ def test_checkpoint_head_layout_overrides_the_defaults():
     ):
         with pytest.raises(ValueError, match=match):
             LookHere(96, 12, variant="90", **kwargs)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_directions_are_refused(bad):
+    # audit: NaN hid every patch from the head (itself included); inf gave "math domain error"
+    for h in (0, 5):
+        directions = [0.0] * 6
+        directions[h] = bad
+        with pytest.raises(ValueError, match=rf"directions\[{h}\] must be a finite angle in degrees .*got {bad!r}"):
+            LookHere(48, 6, directions=directions)
+        with pytest.raises(ValueError, match=rf"directions\[{h}\] must be a finite angle"):
+            lookhere_fov_masks((3, 5), directions, fov=90.0)
+
+
+@pytest.mark.parametrize("fov", [45.0, 90.0, 180.0, 270.0])
+def test_a_token_always_sees_itself_whatever_the_view_test_gives(fov):
+    """A11: FOV_h(i) = {j : j = i or angle(p_j - p_i, u_h) <= FOV/2}. j = i is in by definition, not through the
+    angle test (0 >= 0), which a NaN direction fails; the half-plane branch needs the term like the sectors."""
+    from visionpe.bias.lookhere import _fov_mask, _offsets
+
+    dy, dx = _offsets((3, 5), None)
+    mask = _fov_mask(dy, dx, float("nan"), fov)
+    assert mask.diagonal().all()
+
+
+def test_half_plane_views_are_unchanged_by_the_self_term():
+    # the released LH-180 masks: every finite direction already sees offset 0, nothing else moves
+    directions = [0.0, 90.0, 180.0, 270.0, 45.0, 135.0, 225.0, 315.0, 30.0, -1e3]
+    masks = lookhere_fov_masks((4, 6), directions, fov=180.0)
+    y, x = torch.meshgrid(torch.arange(4.0), torch.arange(6.0), indexing="ij")
+    dy = y.flatten()[None, :] - y.flatten()[:, None]
+    dx = x.flatten()[None, :] - x.flatten()[:, None]
+    for h, d in enumerate(directions):
+        ux, uy = math.cos(math.radians(d)), math.sin(math.radians(d))
+        expected = (dx * ux + dy * uy >= -1e-9) | ((dx == 0) & (dy == 0))
+        assert torch.equal(masks[h], expected), d
+
+
+@pytest.mark.parametrize("layer", [2.5, 1.0, True, None, "0", -1, 4])
+def test_attn_bias_layer_must_be_an_int_in_range(layer):
+    lh = LookHere(48, 6, depth=4)
+    q = torch.zeros(1, 6, 16, 8)
+    with pytest.raises(
+        ValueError, match=rf"layer must be an int in \[0, depth=4\) for LookHere, got {re.escape(repr(layer))}"
+    ):
+        lh.attn_bias(q, q, lh.prepare((3, 5), 1), layer)

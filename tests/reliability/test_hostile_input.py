@@ -116,11 +116,39 @@ def test_rotary_rotate(name, case):
         ("sincos", {"temperature": INF}, r"temperature must be a positive finite number, got inf"),
         ("learned", {"num_prefix_tokens": -1}, r"num_prefix_tokens must be a non-negative int, got -1"),
         ("learned", {"grid_size": (2.5, 3)}, r"grid_size\[0\] must be an int, got float \(2.5\)"),
+        ("rope_axial", {"coord_mode": "bogus"}, r"coord_mode must be one of \('index', .*\), got 'bogus'"),
+        ("rope_mixed", {"coord_mode": "pixel"}, r"coord_mode must be one of \('index', .*\), got 'pixel'"),
+        ("string_cayley", {"coord_mode": "ref_scaled"}, r"coord_mode='ref_scaled' .*got grid_size=None"),
+        ("string_circulant", {"coord_mode": 1}, r"coord_mode must be one of \('index', .*\), got 1"),
+        ("rope_axial", {"axis_pairs": (4.5, 3.5)}, r"axis_pairs\[0\] must be a positive int, got float \(4.5\)"),
+        ("rope_axial", {"axis_pairs": (8, False)}, r"axis_pairs\[1\] must be a positive int, got bool \(False\)"),
+        ("lookhere", {"directions": [NAN, None]}, r"directions\[0\] must be a finite angle in degrees .*got nan"),
+        ("lookhere", {"directions": [0.0, -INF]}, r"directions\[1\] must be a finite angle in degrees .*got -inf"),
     ],
 )
 def test_scheme_options(name, kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         visionpe.create_pos_embed(name, dim=32, num_heads=2, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["rope_axial", "rope_mixed", "string_cayley", "string_circulant", "liere"])
+def test_rotate_with_extrapolation_needs_a_grid(name):
+    scheme = visionpe.create_pos_embed(name, dim=32, num_heads=2, depth=2, grid_size=(2, 3), extrapolation="pi")
+    x, jittered = torch.randn(1, 2, 6, 16), grid_coords((2, 3)) + 0.25
+    with pytest.raises(ValueError, match=r"extrapolation='pi'.*pass grid_size=\(\.\.\.\) to rotate"):
+        scheme.rotate(x, jittered)
+    with pytest.raises(ValueError, match=r"supports 2D grids, got a 3D grid_size \(1, 2, 3\)"):
+        scheme.rotate(x, jittered, grid_size=(1, 2, 3))
+    with pytest.raises(ValueError, match=r"grid_size\[1\] must be positive, got 0"):
+        scheme.rotate(x, jittered, grid_size=(2, 0))
+    assert scheme.rotate(x, jittered, grid_size=(4, 6)).shape == x.shape
+
+
+@pytest.mark.parametrize("name", ["rope_axial", "rope_mixed", "string_cayley", "string_circulant", "liere"])
+def test_train_grid_of_the_wrong_rank(name):
+    scheme = visionpe.create_pos_embed(name, dim=32, num_heads=2, grid_size=(2, 3))
+    with pytest.raises(ValueError, match=r"train_grid_size must have 2 entries, got 3: \(1, 2, 3\)"):
+        scheme.set_extrapolation("pi", train_grid_size=(1, 2, 3))
 
 
 # -- absolute schemes: forward(x, grid_size, num_prefix_tokens) ----------------------------------------------------
@@ -161,6 +189,13 @@ def test_absolute_forward(name, case):
 # -- bias schemes ------------------------------------------------------------------------------------------------
 
 
+def test_lookhere_layer_type():
+    lookhere = visionpe.create_pos_embed("lookhere", dim=32, num_heads=2, depth=4)
+    q = torch.randn(1, 2, 7, 16)
+    with pytest.raises(ValueError, match=r"layer must be an int in \[0, depth=4\) for LookHere, got 2.5"):
+        lookhere.attn_bias(q, q, lookhere.prepare((2, 3), 1), 2.5)
+
+
 def test_bias_layer_and_piecewise_index():
     irpe = visionpe.create_pos_embed("irpe", dim=32, num_heads=2, depth=2)
     q = torch.randn(1, 2, 7, 16)
@@ -169,7 +204,7 @@ def test_bias_layer_and_piecewise_index():
         irpe.attn_bias(q, q, state, 2)
     with pytest.raises(ValueError, match=r"rel must be finite, got NaN or inf"):
         visionpe.irpe_piecewise_index(torch.tensor([0.0, NAN]), 1.9, 3.8, 15.2)
-    with pytest.raises(ValueError, match=r"layer must be in \[0, 2\), got 5"):
+    with pytest.raises(ValueError, match=r"layer must be an int in \[0, depth=2\) for LookHere, got 5"):
         lookhere = visionpe.create_pos_embed("lookhere", dim=32, num_heads=2, depth=2)
         lookhere.attn_bias(q, q, lookhere.prepare((2, 3), 1), 5)
 

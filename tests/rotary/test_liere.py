@@ -311,3 +311,23 @@ def test_dense_blocks_match_matrix_exp():
     assert torch.allclose(out, (expected.float() @ x.unsqueeze(-1)).squeeze(-1), atol=1e-4)
     out.square().sum().backward()
     assert scheme.generator_params.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("block_size", [2, 8])
+def test_layer_out_of_range_is_refused_not_clamped(block_size):
+    # audit: a layer >= depth silently took the last layer's generators
+    scheme = LieRE(64, 2, depth=2, block_size=block_size)
+    coords = grid_coords((3, 5))
+    state = scheme.prepare(coords, 1)
+    qk = torch.randn(2, 1, 2, 16, 32)
+    qkv = torch.randn(16, 3 * 64)
+    for layer in (2, 5, -1, 1.5, True):
+        with pytest.raises(ValueError, match=rf"layer must be an int in \[0, depth=2\) for LieRE, got {layer!r}"):
+            scheme.apply(qk, state, layer)
+        with torch.no_grad(), pytest.raises(ValueError, match=r"layer must be an int in \[0, depth=2\) for LieRE"):
+            scheme.apply(qk, state, layer)
+        with pytest.raises(ValueError, match=r"layer must be an int in \[0, depth=2\) for LieRE"):
+            scheme.apply_qkv_(qkv.clone(), state, layer, 2)
+        with pytest.raises(ValueError, match=r"layer must be an int in \[0, depth=2\) for LieRE"):
+            scheme.rotations(coords, layer)
+    assert scheme.apply(qk, state, 1).shape == qk.shape

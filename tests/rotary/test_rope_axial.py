@@ -82,3 +82,94 @@ def test_fp32_fast_path_matches_real_form_with_gradients():
         grads.append((out.double(), a.grad.double()))
     assert torch.allclose(grads[0][0], grads[1][0], atol=1e-5)
     assert torch.allclose(grads[0][1], grads[1][1], atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "axis_pairs, error, match",
+    [
+        ((16.5, 15.5), TypeError, r"axis_pairs\[0\] must be a positive int, got float \(16\.5\)"),
+        ((16, 16.0), TypeError, r"axis_pairs\[1\] must be a positive int, got float \(16\.0\)"),
+        ((True, 31), TypeError, r"axis_pairs\[0\] must be a positive int, got bool \(True\)"),
+        ((0, 32), ValueError, r"axis_pairs\[0\] must be a positive int, got 0"),
+        ((40, -8), ValueError, r"axis_pairs\[1\] must be a positive int, got -8"),
+        ("16,16", TypeError, r"axis_pairs must be a tuple of ints, got str"),
+    ],
+)
+def test_axis_pairs_must_be_positive_ints(axis_pairs, error, match):
+    with pytest.raises(error, match=match):
+        visionpe.create_pos_embed("rope_axial", dim=128, num_heads=2, axis_pairs=axis_pairs)
+    with pytest.raises(error, match=match):
+        axial_frequencies(64, 100.0, axis_pairs)
+
+
+def test_axis_pairs_accept_integer_types():
+    import numpy as np
+
+    for pairs in ([16, 16], (np.int64(16), 16), np.array([16, 16]), torch.tensor([16, 16])):
+        rope = visionpe.create_pos_embed("rope_axial", dim=128, num_heads=2, axis_pairs=pairs)
+        assert rope.axis_pairs == (16, 16) and all(type(n) is int for n in rope.axis_pairs)
+
+
+# -- coord_mode: checked at construction; ref_scaled is position interpolation to the training grid ---------------
+
+LINEAR = ["rope_axial", "rope_mixed", "string_cayley", "string_circulant"]
+
+
+@pytest.mark.parametrize("name", LINEAR)
+def test_coord_mode_is_checked_at_construction(name):
+    for bad in ("bogus", "Index", None, 0):
+        with pytest.raises(ValueError, match=r"coord_mode must be one of \('index', .*'ref_scaled'\), got "):
+            visionpe.create_pos_embed(name, dim=64, num_heads=2, coord_mode=bad)
+    with pytest.raises(ValueError, match=r"coord_mode='ref_scaled' .*needs the training grid.*got grid_size=None"):
+        visionpe.create_pos_embed(name, dim=64, num_heads=2, coord_mode="ref_scaled")
+
+
+@pytest.mark.parametrize("name", LINEAR)
+def test_ref_scaled_interpolates_to_the_training_grid(name):
+    import timm
+
+    scheme = visionpe.create_pos_embed(name, dim=64, num_heads=2, coord_mode="ref_scaled", grid_size=(3, 5))
+    torch.testing.assert_close(scheme.coords((3, 5)), grid_coords((3, 5)))  # i at the training grid
+    expected = grid_coords((6, 8)) * torch.tensor([3 / 6, 5 / 8])  # i * n_train / n
+    torch.testing.assert_close(scheme.coords((6, 8)), expected)
+    # a model built with it runs (the model passes its grid as the training grid)
+    model = timm.create_model(
+        "visionpe_vit_tiny_patch16_224",
+        pos_embed=name,
+        depth=1,
+        embed_dim=64,
+        num_heads=2,
+        img_size=48,
+        patch_size=16,
+        dynamic_img_size=True,
+        pos_embed_kwargs={"coord_mode": "ref_scaled"},
+    )
+    assert model.pos_schemes[name].train_grid_size == (3, 3)
+    assert torch.isfinite(model(torch.randn(1, 3, 96, 64))).all()  # dynamic size: a 6 x 4 grid
+
+
+def test_ref_scaled_matches_pi_on_a_larger_grid():
+    # PI divides the frequencies of an axis by s_a = n / n_train; ref_scaled divides its positions: the same angles
+    pi = visionpe.create_pos_embed("rope_axial", dim=128, num_heads=2, grid_size=(3, 5), extrapolation="pi")
+    ref = visionpe.create_pos_embed("rope_axial", dim=128, num_heads=2, grid_size=(3, 5), coord_mode="ref_scaled")
+    x = torch.randn(1, 2, 56, 64)
+    expected = pi.rotate(x, pi.coords((7, 8)), grid_size=(7, 8))
+    torch.testing.assert_close(ref.rotate(x, ref.coords((7, 8))), expected, atol=1e-5, rtol=1e-5)
+
+
+# -- layer and token count of apply ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", LINEAR)
+def test_apply_checks_layer_and_token_count(name):
+    scheme = visionpe.create_pos_embed(name, dim=64, num_heads=2, depth=2)
+    qk = torch.randn(2, 1, 2, 1 + 15, 32)
+    state = scheme.prepare(grid_coords((3, 5)), 1)
+    for layer in (2, -1, 1.0, True):
+        with pytest.raises(ValueError, match=rf"layer must be an int in \[0, depth=2\) for \w+, got {layer!r}"):
+            scheme.apply(qk, state, layer)
+    with pytest.raises(
+        ValueError, match=r"qk must have shape \(\.\.\., P \+ N = 16, head_dim = 32\).*got \(2, 1, 2, 11"
+    ):
+        scheme.apply(qk[..., :11, :], state, 1)
+    assert scheme.apply(qk, state, 1).shape == qk.shape

@@ -210,3 +210,92 @@ def test_model_switch_is_all_or_none():
     assert [s.extrapolation for s in model.pos_schemes.values()] == ["none", "none"]
     assert model.pos_schemes["rope_axial"].accepted_extrapolation() == ("none", "pi", "ntk", "yarn")
     assert model.pos_schemes["comrope_ld"].accepted_extrapolation() == ("none",)
+
+
+# -- rotate() honours the extrapolation mode (audit: it called prepare without grid_size) ------------------------
+
+
+@pytest.mark.parametrize("name", ["rope_axial", "rope_mixed", "string_cayley", "string_circulant"])
+@pytest.mark.parametrize("mode", ["pi", "ntk", "yarn"])
+def test_rotate_scales_like_the_model_path(name, mode):
+    torch.manual_seed(0)
+    train, test = (3, 5), (7, 8)  # non-square, each axis larger than the training grid
+    scheme = visionpe.create_pos_embed(name, dim=64, num_heads=2, depth=2, grid_size=train, extrapolation=mode)
+    plain = visionpe.create_pos_embed(name, dim=64, num_heads=2, depth=2, grid_size=train)
+    plain.load_state_dict(scheme.state_dict())
+    x, coords = torch.randn(1, 2, 56, 32), grid_coords(test)
+    # the model path's rotation: prepare with the grid, apply
+    state = scheme.prepare(coords, 0, grid_size=test)
+    expected = scheme.apply(x, state, 1)
+    if name.startswith("string"):  # apply gives RoPE(r) P x; rotate gives R(r) x = Q^T RoPE(r) P x
+        out_basis = scheme.rotation_output_basis()
+        expected = expected if out_basis is None else expected @ out_basis
+    inferred = scheme.rotate(x, coords, 1)  # grid read off the index coordinates
+    given = scheme.rotate(x, coords, 1, grid_size=test)
+    torch.testing.assert_close(inferred, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(given, inferred, atol=0, rtol=0)
+    assert not torch.allclose(inferred, plain.rotate(x, coords, 1), atol=1e-3)  # the mode does something
+    # at the training grid nothing is scaled
+    small = grid_coords(train)
+    torch.testing.assert_close(scheme.rotate(x[:, :, :15], small, 1), plain.rotate(x[:, :, :15], small, 1))
+
+
+def test_rotate_scales_liere_pi():
+    torch.manual_seed(0)
+    scheme = visionpe.create_pos_embed("liere", dim=64, num_heads=2, grid_size=(3, 5), extrapolation="pi")
+    plain = visionpe.create_pos_embed("liere", dim=64, num_heads=2, grid_size=(3, 5))
+    plain.load_state_dict(scheme.state_dict())
+    x, coords = torch.randn(1, 2, 56, 32), grid_coords((7, 8))
+    expected = plain.rotate(x, coords / torch.tensor([7 / 3, 8 / 5]))  # PI: p_a / s_a
+    torch.testing.assert_close(scheme.rotate(x, coords), expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(scheme.rotate(x, coords), plain.rotate(x, coords), atol=1e-3)
+
+
+def test_rotate_asks_for_grid_size_when_it_cannot_be_inferred():
+    rope = RopeAxial(128, 2, grid_size=(3, 5), extrapolation="pi")
+    x = torch.randn(1, 2, 4, 64)
+    fractional = torch.tensor([[0.0, 0.5], [1.0, 2.0], [2.0, 0.0], [6.0, 9.0]])
+    with pytest.raises(ValueError, match=r"extrapolation='pi'.*pass grid_size=\(\.\.\.\) to rotate"):
+        rope.rotate(x, fractional)
+    with pytest.raises(ValueError, match=r"extrapolation='pi'.*pass grid_size"):
+        rope.rotate(x, -fractional.round())
+    # given explicitly, it is used; with no mode set nothing is inferred or needed
+    torch.testing.assert_close(
+        rope.rotate(x, fractional, grid_size=(6, 10)), rope.apply(x, rope.prepare(fractional, 0, (6, 10)), 0)
+    )
+    assert torch.equal(RopeAxial(128, 2).rotate(x, fractional), RopeAxial(128, 2).apply(x, rope.prepare(fractional), 0))
+    with pytest.raises(ValueError, match=r"supports 2D grids, got a 3D grid_size"):
+        rope.rotate(x, fractional, grid_size=(1, 6, 10))
+    with pytest.raises(TypeError, match=r"grid_size\[0\] must be an int"):
+        rope.rotate(x, fractional, grid_size=(6.0, 10))
+
+
+def test_rotate_fft_refuses_to_skip_the_scaling():
+    scheme = visionpe.create_pos_embed("string_circulant", dim=64, num_heads=2, grid_size=(3, 5), extrapolation="ntk")
+    x = torch.randn(1, 2, 15, 32)
+    torch.testing.assert_close(scheme.rotate_fft(x, grid_coords((3, 5))), scheme.rotate(x, grid_coords((3, 5))))
+    with pytest.raises(ValueError, match=r"rotate_fft computes the unscaled rotation.*extrapolation='ntk'"):
+        scheme.rotate_fft(torch.randn(1, 2, 56, 32), grid_coords((7, 8)))
+
+
+# -- the training grid must have the scheme's rank ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["rope_axial", "string_cayley", "liere"])
+def test_train_grid_size_of_the_wrong_rank_is_refused(name):
+    scheme = visionpe.create_pos_embed(name, dim=64, num_heads=2, grid_size=(14, 14))
+    with pytest.raises(ValueError, match=r"train_grid_size must have 2 entries, got 3: \(2, 14, 14\)"):
+        scheme.set_extrapolation("pi", train_grid_size=(2, 14, 14))
+    assert (scheme.extrapolation, scheme.train_grid_size) == ("none", (14, 14))
+    video = visionpe.create_pos_embed(name, dim=64, num_heads=2, ndim=3, grid_size=(2, 4, 4))
+    with pytest.raises(ValueError, match=r"train_grid_size must have 3 entries, got 2: \(4, 4\)"):
+        video.set_extrapolation("none", train_grid_size=(4, 4))
+    assert video.train_grid_size == (2, 4, 4)
+
+
+def test_model_switch_refuses_a_wrong_rank_train_grid_before_switching_anything():
+    model = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=["rope_axial", "rope_mixed"], depth=1)
+    with pytest.raises(ValueError, match=r"rope_axial: train_grid_size must have 2 entries for RopeAxial, got 3"):
+        set_extrapolation(model, "pi", train_grid_size=(2, 14, 14))
+    assert [s.extrapolation for s in model.pos_schemes.values()] == ["none", "none"]
+    assert [s.train_grid_size for s in model.pos_schemes.values()] == [(14, 14), (14, 14)]

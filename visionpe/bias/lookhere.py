@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import BiasPositionEncoding, check_model_shape
+from ..base import BiasPositionEncoding, check_layer, check_model_shape
 from ..grid import grid_coords, validate_grid_size, validate_positive
 from ..registry import register_scheme
 from .offsets import GlobalSlope, OffsetState, distance_state, gather_offsets, query_rows
@@ -83,7 +83,7 @@ def _fov_mask(dy: torch.Tensor, dx: torch.Tensor, direction: float | None, fov: 
         return torch.ones_like(dy, dtype=torch.bool)
     if fov == 180:
         ux, uy = _unit(direction)
-        return dx * ux + dy * uy >= 0
+        return (dx * ux + dy * uy >= 0) | ((dy == 0) & (dx == 0))  # j = i is always in view (SCHEMES.md A11)
     # a sector between two rays: counter-clockwise of the first, clockwise of the second (y down). With the
     # default views the rays are axes or diagonals, so on integer offsets both tests are exact.
     ax, ay = _unit(direction - fov / 2)
@@ -128,6 +128,9 @@ def _check_directions(directions: Sequence[float | None]) -> None:
         d is None or (isinstance(d, (int, float)) and not isinstance(d, bool)) for d in directions
     ):
         raise ValueError(f"directions must be a list of angles in degrees or None, got {directions!r}")
+    for h, d in enumerate(directions):
+        if d is not None and not math.isfinite(d):
+            raise ValueError(f"directions[{h}] must be a finite angle in degrees (or None), got {d!r}")
 
 
 def _check_fov(fov: float) -> float:
@@ -225,8 +228,7 @@ class LookHere(GlobalSlope, BiasPositionEncoding):
                 f"q and k must have shape (B, {heads}, {num_rows}, head_dim) and "
                 f"(B, {heads}, {n}, head_dim) for this grid, got q {tuple(q.shape)}, k {tuple(k.shape)}"
             )
-        if not 0 <= layer < self.layer_slopes.numel():
-            raise ValueError(f"layer must be in [0, {self.layer_slopes.numel()}), got {layer}")
+        check_layer(layer, self.layer_slopes.numel(), type(self).__name__)
         # slopes and products in fp32 (fp64 for fp64 activations), one rounding to q's dtype at the end: casting the
         # distances and the slopes first rounds three times (SCHEMES.md precision convention). Scale and round the
         # small table, then gather: the same values as scaling gathered distances, without an fp32 (R, N) block.

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import RotaryPositionEncoding, check_model_shape
+from ..base import RotaryPositionEncoding, check_layer, check_model_shape
+from ..grid import COORD_MODES
 from .functional import apply_rotary, rotary_angles, rotary_tables, rotate_qkv_pairs_
 from .scaling import Extrapolation, scale_frequencies, yarn_attention_factor
 
@@ -47,6 +48,8 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
     docstring for why).
     With ``extrapolation`` set, ``prepare`` rescales the frequencies for the current ``grid_size`` relative to
     the training grid (``grid_size`` at construction); the default ``"none"`` leaves them untouched.
+    ``coord_mode`` is one of :data:`~visionpe.grid.COORD_MODES`; ``ref_scaled`` (i * n_train / n, position
+    interpolation) is relative to the training grid, so it needs ``grid_size``.
     """
 
     def __init__(
@@ -67,6 +70,13 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
             raise ValueError(f"ndim must be 2 or 3, got {ndim!r}")
         if head_dim % 4:
             raise ValueError(f"head_dim must be divisible by 4 for rotary schemes, got head_dim={head_dim}")
+        if not isinstance(coord_mode, str) or coord_mode not in COORD_MODES:
+            raise ValueError(f"coord_mode must be one of {COORD_MODES}, got {coord_mode!r}")
+        if coord_mode == "ref_scaled" and grid_size is None:
+            raise ValueError(
+                "coord_mode='ref_scaled' (i * n_train / n) needs the training grid: pass grid_size=... "
+                "(the model passes it), got grid_size=None"
+            )
         self.dim, self.num_heads, self.depth, self.ndim = dim, num_heads, depth, ndim
         self.head_dim, self.coord_mode = head_dim, coord_mode
         if grid_size is not None and len(grid_size) != ndim:
@@ -120,6 +130,7 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
         self, state: tuple[torch.Tensor, torch.Tensor] | LayerAngles, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (num_heads | 1, P + N, head_dim) of block ``layer`` from a ``prepare`` state."""
+        check_layer(layer, self.depth, type(self).__name__)
         if isinstance(state, LayerAngles):
             return _tables(state.coords, state.freqs[layer], state.num_prefix_tokens, state.mscale)
         cos, sin = state
@@ -131,6 +142,11 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
         self, qk: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | LayerAngles, layer: int
     ) -> torch.Tensor:
         cos, sin = self.layer_tables(state, layer)
+        if qk.ndim < 2 or qk.shape[-2] != cos.shape[-2] or qk.shape[-1] != cos.shape[-1]:
+            raise ValueError(
+                f"qk must have shape (..., P + N = {cos.shape[-2]}, head_dim = {cos.shape[-1]}) to match the "
+                f"prepared state (cos/sin {tuple(cos.shape)}), got {tuple(qk.shape)}"
+            )
         return apply_rotary(qk, cos, sin)
 
 

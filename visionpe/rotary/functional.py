@@ -84,9 +84,15 @@ def rotate_qkv_pairs_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n
 
     One complex product per pair, written back into ``qkv``, so that attention cuts q, k and v from one buffer
     as timm's Attention does and keeps no rotated copy of q and k for the backward. The backward needs only the
-    rotated pairs y = x f: dL/df = sum dL/dy conj(x) = sum dL/dy conj(y) / conj(f); it writes dL/dx =
-    dL/dy conj(f) into the incoming gradient of ``qkv`` in place, which is right when the only use of the
-    returned tensor is to be cut into q, k and v (as in :class:`~visionpe.PosAttention`).
+    rotated pairs y = x f: dL/df = sum dL/dy conj(x) = sum dL/dy conj(y) / conj(f). Two conditions follow:
+
+    - The tables must be rotations (|f| = 1 per pair: cos and sin of one angle, as :func:`rotary_tables` builds
+      them), or at most rotations times a common non-zero scale (YaRN's multiplier): the backward divides by
+      conj(f), so a zero factor gives inf/NaN gradients and an ill-conditioned one loses precision.
+    - The incoming gradient buffer is reused: dL/dx = dL/dy conj(f) is written over the incoming gradient of
+      ``qkv``, in place. That is right when the only use of the returned tensor is to be cut into q, k and v
+      (as in :class:`~visionpe.PosAttention`); a caller that keeps that gradient for another use (or
+      ``gradcheck`` with this as the last op, which reports "Backward is not reentrant") sees it overwritten.
 
     Args:
         qkv: contiguous float32 (B * T, 3 * num_heads * head_dim) or (B, T, 3 * num_heads * head_dim): q, k and

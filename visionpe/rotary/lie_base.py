@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..base import RotaryPositionEncoding, check_model_shape
+from ..base import RotaryPositionEncoding, check_layer, check_model_shape
 from .scaling import EXTRAPOLATION_MODES, Extrapolation, yarn_attention_factor
 from .skew_exp import (
     apply_block_rotation,
@@ -124,6 +124,7 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
 
     def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
         """(num_heads | 1, N, num_blocks, b, b) fp32 rotations of block ``layer`` at ``coords`` (N, ndim)."""
+        check_layer(layer, self.depth, type(self).__name__)
         return block_skew_expm(self.generators(layer), coords, self.series_dtype)
 
     def rotation_chunks(self, coords: torch.Tensor, layer: int) -> Callable[[int, int], torch.Tensor]:
@@ -131,6 +132,7 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
 
         Subclasses that override :meth:`rotations` override this too (same values, by token range).
         """
+        check_layer(layer, self.depth, type(self).__name__)
         return block_skew_expm_chunks(self.generators(layer), coords, self.series_dtype)
 
     def rotation_plan(
@@ -178,6 +180,7 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
         return generators * ratio.transpose(-1, -2)[..., None, None]
 
     def apply(self, qk: torch.Tensor, state: LieState, layer: int) -> torch.Tensor:
+        check_layer(layer, self.depth, type(self).__name__)
         out = self._rotate_blocks(qk, state, layer)
         return out if state.mscale == 1.0 else out * state.mscale
 
@@ -206,6 +209,7 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
         (:func:`~visionpe.rotary.skew_exp.rotate_qkv_blocks_`), whose backward needs only the rotated vectors.
         Otherwise None: without autograd :meth:`apply` rotates a chunk of tokens at a time, and a compiled or
         traced graph, or YaRN's multiplier, takes the out-of-place :meth:`apply`."""
+        check_layer(layer, self.depth, type(self).__name__)
         coords, num_prefix_tokens, plan, mscale = state
         if not torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing() or mscale != 1.0:
             return None

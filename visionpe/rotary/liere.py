@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..base import check_layer
 from ..registry import register_scheme
 from .lie_base import LieBlockRotary
 from .skew_exp import skew_from_params
@@ -62,6 +63,7 @@ class LieRE(LieBlockRotary):
         self.generator_params = nn.Parameter(torch.rand(depth, num_heads, self.num_blocks, ndim, count) * init_scale)
 
     def generators(self, layer: int) -> torch.Tensor:
+        check_layer(layer, self.depth, type(self).__name__)
         raw = self.generator_params[layer if self.generator_params.shape[0] > 1 else 0]
         return skew_from_params(raw, self.block_size)
 

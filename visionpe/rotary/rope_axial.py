@@ -10,6 +10,7 @@ Nothing is learned; on a larger grid the table is rebuilt on integer positions (
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -17,7 +18,7 @@ import torch
 from ..registry import register_scheme
 from .base import LinearRotary
 
-__all__ = ["RopeAxial", "axial_frequencies", "check_base"]
+__all__ = ["RopeAxial", "axial_frequencies", "check_axis_pairs", "check_base"]
 
 
 def check_base(base: float) -> float:
@@ -25,6 +26,32 @@ def check_base(base: float) -> float:
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not 0 < base < math.inf:
         raise ValueError(f"base must be positive and finite, got {base!r}")
     return float(base)
+
+
+def check_axis_pairs(axis_pairs: Sequence[int]) -> tuple[int, ...]:
+    """``axis_pairs`` as a tuple of positive ints: TypeError naming ``axis_pairs[i]`` for a non-int entry (bool and
+    2.0 included), ValueError for one <= 0.
+
+    Example:
+        >>> check_axis_pairs([12, 12, 8])
+        (12, 12, 8)
+    """
+    if isinstance(axis_pairs, torch.Tensor) or type(axis_pairs).__module__ == "numpy":
+        axis_pairs = axis_pairs.tolist()
+    if not isinstance(axis_pairs, (tuple, list)):
+        raise TypeError(f"axis_pairs must be a tuple of ints, got {type(axis_pairs).__name__} ({axis_pairs!r})")
+    out = []
+    for i, n in enumerate(axis_pairs):
+        try:  # Python and NumPy ints, not 2.0
+            value = None if isinstance(n, bool) else operator.index(n)
+        except TypeError:
+            value = None
+        if value is None:
+            raise TypeError(f"axis_pairs[{i}] must be a positive int, got {type(n).__name__} ({n!r})")
+        if value <= 0:
+            raise ValueError(f"axis_pairs[{i}] must be a positive int, got {value}")
+        out.append(value)
+    return tuple(out)
 
 
 def axial_frequencies(head_dim: int, base: float, axis_pairs: Sequence[int]) -> torch.Tensor:
@@ -37,10 +64,9 @@ def axial_frequencies(head_dim: int, base: float, axis_pairs: Sequence[int]) -> 
         tensor([[0.0000, 0.0000, 1.0000, 0.1000],
                 [1.0000, 0.1000, 0.0000, 0.0000]])
     """
+    axis_pairs = check_axis_pairs(axis_pairs)
     if sum(axis_pairs) != head_dim // 2:
         raise ValueError(f"axis_pairs must sum to head_dim // 2 = {head_dim // 2}, got {tuple(axis_pairs)}")
-    if any(n <= 0 for n in axis_pairs):
-        raise ValueError(f"axis_pairs must be positive, got {tuple(axis_pairs)}")
     freqs = torch.zeros(len(axis_pairs), head_dim // 2, dtype=torch.float64)
     start = 0
     for axis, n in enumerate(axis_pairs):
@@ -85,6 +111,7 @@ class RopeAxial(LinearRotary):
             n_t = pairs // 4 if ndim == 3 else 0
             n_x = (pairs - n_t) // 2
             axis_pairs = (n_x, pairs - n_t - n_x) + ((n_t,) if ndim == 3 else ())
+        axis_pairs = check_axis_pairs(axis_pairs)
         if len(axis_pairs) != ndim:
             raise ValueError(f"axis_pairs must have {ndim} entries for ndim={ndim}, got {tuple(axis_pairs)}")
         self.base, self.axis_pairs = check_base(base), tuple(axis_pairs)

@@ -169,7 +169,9 @@ class Extrapolation(nn.Module):
         if not isinstance(mode, str) or mode not in EXTRAPOLATION_MODES:
             raise ValueError(f"extrapolation must be one of {EXTRAPOLATION_MODES}, got {mode!r}")
         train = (
-            self.train_grid_size if train_grid_size is None else validate_grid_size(train_grid_size, "train_grid_size")
+            self.train_grid_size
+            if train_grid_size is None
+            else validate_grid_size(train_grid_size, "train_grid_size", ndims=self._grid_ranks())
         )
         for arg, value in (("alpha", alpha), ("beta", beta)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -184,10 +186,20 @@ class Extrapolation(nn.Module):
         self.train_grid_size = train
         self.extrapolation, self.yarn_alpha, self.yarn_beta = mode, alpha, beta
 
+    def _grid_ranks(self) -> tuple[int, ...]:
+        """The grid ranks the scheme takes (its ``ndims``: exactly its ``ndim`` for the rotary schemes)."""
+        return tuple(getattr(self, "ndims", (2, 3)))
+
     def extrapolation_refusal(self, mode: str, train_grid_size: tuple[int, ...] | None = None) -> str | None:
         """Why :meth:`set_extrapolation` would refuse ``mode`` in this configuration (with ``train_grid_size``,
         default the current training grid), or None: the one place every refusal is decided."""
         name = type(self).__name__
+        ranks = self._grid_ranks()
+        if train_grid_size is not None and len(train_grid_size) not in ranks:
+            return (
+                f"train_grid_size must have {' or '.join(map(str, ranks))} entries for {name}, "
+                f"got {len(train_grid_size)}: {tuple(train_grid_size)}"
+            )
         if mode not in self.supported_extrapolation:
             return (
                 f"{name} supports extrapolation modes {self.supported_extrapolation}, got {mode!r}: "

@@ -566,9 +566,18 @@ def rotate_qkv_blocks_(
     """Rotate q and k in a fused q/k/v projection output in place, block by block; v and prefix tokens unchanged.
 
     The same products as :func:`apply_block_rotation` on q and k cut from ``qkv``, written back into ``qkv``, so
-    that attention cuts q, k, v from one buffer as timm's Attention does. Differentiable; the backward writes
-    the gradient of the unrotated q and k into the incoming gradient of ``qkv`` in place, which is right when
-    the only use of the returned tensor is to be cut into q, k and v (as in :class:`~visionpe.PosAttention`).
+    that attention cuts q, k, v from one buffer as timm's Attention does. Differentiable, with two conditions
+    for a correct backward:
+
+    - ``rot`` must be orthogonal (R^T R = I in every block, as exp of a skew-symmetric generator is). The unrotated
+      q and k X are not kept: the backward computes dL/dR = dY X^T as (dY Y^T) R from the rotated vectors
+      Y = R X, which equals it only when R^T R = I, so a non-orthogonal ``rot`` gets a wrong dL/drot, without
+      any error (dL/dqkv = R^T dY stays right).
+    - The incoming gradient buffer is reused: the backward writes the gradient of the unrotated q and k over the
+      incoming gradient of ``qkv``, in place. That is right when the only use of the returned tensor is to be
+      cut into q, k and v (as in :class:`~visionpe.PosAttention`); a caller that keeps that gradient for another
+      use (or a second backward through it, e.g. ``gradcheck`` with the rotation as the last op, which reports
+      "Backward is not reentrant") sees it overwritten.
 
     Args:
         qkv: contiguous (*lead, num_prefix_tokens + N, 3 * num_heads * head_dim), q, k and v of each token side

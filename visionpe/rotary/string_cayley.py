@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..base import check_rotate_input
+from ..base import check_layer, check_rotate_input
 from ..registry import register_scheme
 from .base import LinearRotary
 from .rope_axial import axial_frequencies, check_base
@@ -79,6 +79,7 @@ class StringBase(LinearRotary):
         return rotary, basis
 
     def apply(self, qk: torch.Tensor, state, layer: int) -> torch.Tensor:
+        check_layer(layer, self.depth, type(self).__name__)
         rotary, basis = state
         if basis is not None:
             basis = _layer_basis(basis, layer)
@@ -92,14 +93,19 @@ class StringBase(LinearRotary):
         return super().apply_qkv_(qkv, rotary, layer, num_heads)
 
     def projection_basis(self, state, layer: int) -> tuple[torch.Tensor, tuple] | None:
+        check_layer(layer, self.depth, type(self).__name__)
         rotary, basis = state
         if basis is None:  # folded for good (fold_string_)
             return None
         return _layer_basis(basis, layer), (rotary, None)
 
-    def rotate(self, x: torch.Tensor, coords: torch.Tensor, layer: int = 0) -> torch.Tensor:
-        """R(r) x for ``x`` (B, num_heads, N, head_dim) at ``coords`` (N, ndim), folded or not."""
-        rotary = LinearRotary.prepare(self, check_rotate_input(self, x, coords, layer), 0)
+    def rotate(
+        self, x: torch.Tensor, coords: torch.Tensor, layer: int = 0, grid_size: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
+        """R(r) x for ``x`` (B, num_heads, N, head_dim) at ``coords`` (N, ndim), folded or not; ``grid_size`` as in
+        :meth:`~visionpe.base.RotaryPositionEncoding.rotate` (the grid the extrapolation mode scales against)."""
+        coords = check_rotate_input(self, x, coords, layer)
+        rotary = LinearRotary.prepare(self, coords, 0, grid_size=self.rotation_grid_size(coords, grid_size))
         basis = _layer_basis(self.string_basis(), layer)
         out = LinearRotary.apply(self, x @ basis.to(x.dtype).transpose(-1, -2), rotary, layer)
         out_basis = self.rotation_output_basis()

@@ -134,9 +134,20 @@ class StringCirculant(StringBase):
     def rotation_output_basis(self) -> torch.Tensor:
         return self.basis
 
-    def rotate_fft(self, x: torch.Tensor, coords: torch.Tensor, layer: int = 0) -> torch.Tensor:
-        """R(r) x by the FFT form, (B, num_heads, N, head_dim) -> same (equals ``rotate``)."""
+    def rotate_fft(
+        self, x: torch.Tensor, coords: torch.Tensor, layer: int = 0, grid_size: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
+        """R(r) x by the FFT form, (B, num_heads, N, head_dim) -> same (equals ``rotate``).
+
+        The FFT form has no extrapolation scaling: when the extrapolation mode would scale ``grid_size`` (or the
+        grid read off ``index`` coordinates, as ``rotate`` does) it raises ValueError; use ``rotate`` then.
+        """
         coords = check_rotate_input(self, x, coords, layer)
+        if self.scale_factors(self.rotation_grid_size(coords, grid_size)) is not None:
+            raise ValueError(
+                f"rotate_fft computes the unscaled rotation, but extrapolation={self.extrapolation!r} scales this "
+                f"grid against the training grid {self.train_grid_size}: use rotate(x, coords, layer, grid_size)"
+            )
         c = self.first_columns[layer] if self.first_columns.shape[0] > 1 else self.first_columns[0]
         return circulant_string_fft(x, coords, c)
 
