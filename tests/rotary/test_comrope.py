@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import timm
 import torch
@@ -60,13 +62,18 @@ def test_positions_prefix_and_pi():
     assert torch.allclose(train.coords((8, 4))[:, 0].max(), torch.tensor(7.5 / 4))
     train.set_extrapolation("pi")
     state, prefix, *_ = train.prepare(train.coords((8, 4)), num_prefix_tokens=1, grid_size=(8, 4))
-    assert prefix == 1 and torch.allclose(state, grid_coords((8, 4), mode="normalized"))  # PI = test-grid norm
-    rotating = ComRoPELD(128, 2, grid_size=(4, 4), rotate_prefix=True)
+    # PI = test-grid norm, and the rotated prefix (the default) at the grid centre
+    assert prefix == 0 and torch.allclose(state[1:], grid_coords((8, 4), mode="normalized"))
+    assert torch.allclose(state[0], torch.tensor([0.5, 0.5]))
+    rotating = ComRoPELD(128, 2, grid_size=(4, 4))
     state, prefix, *_ = rotating.prepare(rotating.coords((4, 4)), num_prefix_tokens=1)
     assert prefix == 0 and torch.equal(state[0], torch.tensor([0.5, 0.5]))
+    identity = ComRoPEAP(128, 2, grid_size=(4, 4), rotate_prefix=False)
     qk = torch.randn(2, 1, 2, 17, 64)
-    out = scheme.apply(qk, scheme.prepare(scheme.coords((4, 4)), num_prefix_tokens=1), layer=0)
+    out = identity.apply(qk, identity.prepare(identity.coords((4, 4)), num_prefix_tokens=1), layer=0)
     assert torch.equal(out[..., :1, :], qk[..., :1, :])
+    out = scheme.apply(qk, scheme.prepare(scheme.coords((4, 4)), num_prefix_tokens=1), layer=0)
+    assert not torch.allclose(out[..., :1, :], qk[..., :1, :], atol=1e-3)
 
 
 def test_bad_input():
@@ -82,10 +89,27 @@ def test_bad_input():
     scheme = ComRoPELD(128, 2, grid_size=(4, 4), pos_norm="train_grid")
     with pytest.raises(ValueError, match="supports 2D grids"):
         scheme.coords((2, 3, 4))
+    for count in (-1, 1.5, True):  # the prefix count sets the rotated prefix rows
+        with pytest.raises(ValueError, match=f"num_prefix_tokens must be a non-negative int, got {count}"):
+            scheme.prepare(scheme.coords((2, 3)), count, grid_size=(2, 3))
+    with pytest.raises(ValueError, match="supports 2D grids"):  # the grid sets the prefix centre and the cells
+        scheme.prepare(scheme.coords((2, 3)), 1, grid_size=(2, 3, 4))
+    with pytest.raises(ValueError, match=r"grid_size\[1\] must be positive, got -3"):
+        scheme.prepare(scheme.coords((2, 3)), 1, grid_size=(2, -3))
     with pytest.raises(ValueError, match="2 axes, got coords with 3 axes"):
         scheme.rotate(torch.randn(1, 2, 6, 64), grid_coords((1, 2, 3)))
     with pytest.raises(ValueError, match="block_size must be >= 2"):
         visionpe.create_pos_embed("comrope_ap", dim=128, num_heads=2, block_size=5)
+
+
+@pytest.mark.parametrize("cls", [ComRoPEAP, ComRoPELD])
+def test_rotations_refuse_a_layer_past_the_depth(cls):
+    scheme = cls(64, 4, depth=2, grid_size=(3, 5))
+    coords = scheme.coords((3, 5))
+    assert scheme.rotations(coords, 1).shape == (4, 15, scheme.num_blocks, 8, 8)
+    for layer in (2, -1, True):
+        with pytest.raises(ValueError, match=r"layer must be an int in \[0, depth=2\) for " + cls.__name__):
+            scheme.rotations(coords, layer)
 
 
 @pytest.mark.parametrize("cls", CLASSES)
@@ -101,6 +125,14 @@ def test_bad_input():
         ({"init_std": -0.5}, "init_std must be a finite non-negative number, got -0.5"),
         ({"init_std": "1"}, "init_std must be a finite non-negative number, got '1'"),
         ({"rotate_prefix": "no"}, "rotate_prefix must be a bool, got 'no'"),
+        ({"jitter_std": -0.1}, "jitter_std must be a finite non-negative number, got -0.1"),
+        ({"jitter_std": float("nan")}, "jitter_std must be a finite non-negative number, got nan"),
+        ({"jitter_std": float("inf")}, "jitter_std must be a finite non-negative number, got inf"),
+        ({"jitter_std": "0.1"}, "jitter_std must be a finite non-negative number, got '0.1'"),
+        ({"jitter_std": True}, "jitter_std must be a finite non-negative number, got True"),
+        ({"offset_std": -1}, "offset_std must be a finite non-negative number, got -1"),
+        ({"offset_std": float("nan")}, "offset_std must be a finite non-negative number, got nan"),
+        ({"offset_std": None}, "offset_std must be a finite non-negative number, got None"),
     ],
 )
 def test_bad_construction(cls, kwargs, match):
@@ -184,22 +216,214 @@ def test_ld_gathered_product_gradients(axes):
     assert torch.allclose(_GatheredProduct.apply(rows, *tables), expected)
 
 
-@pytest.mark.parametrize("ndim, grid", [(2, (3, 5)), (3, (2, 3, 4))])
-def test_ld_grid_product_equals_per_token_exponentials(monkeypatch, ndim, grid):
-    # patch tokens are a whole row-major grid: the rotations are one product per head and block of the per-axis
-    # factors stacked side by side (grid_product); same values and gradients as exp(sum_a x_a A_a) per token
+def _count_grid_products(monkeypatch) -> list:
     from visionpe.rotary import comrope_ld
 
     calls = []
-    monkeypatch.setattr(comrope_ld, "grid_product", lambda f, real=comrope_ld.grid_product: calls.append(1) or real(f))
+    real = comrope_ld.grid_product
+    monkeypatch.setattr(comrope_ld, "grid_product", lambda *args: calls.append(1) or real(*args))
+    return calls
+
+
+def _dense_rotations(scheme, coords: torch.Tensor, layer: int) -> torch.Tensor:
+    """Naive reference: torch.linalg.matrix_exp of sum_a x_a A_a per token and block, in fp64."""
+    gen = scheme.generators(layer).double()  # (h, m, ndim, b, b)
+    exponent = torch.einsum("na,hmaij->hnmij", coords.double(), gen).contiguous()
+    return torch.linalg.matrix_exp(exponent).float()
+
+
+@pytest.mark.parametrize("ndim, grid", [(2, (3, 5)), (3, (2, 3, 4))])
+@pytest.mark.parametrize("prefix", [0, 1, 2])
+def test_ld_grid_product_equals_per_token_exponentials(monkeypatch, ndim, grid, prefix):
+    # patch tokens are a whole row-major grid: the rotations are one product per head and block of the per-axis
+    # factors stacked side by side (grid_product), after the rotated prefix tokens' one rotation; same values and
+    # gradients as exp(sum_a x_a A_a) per token (the series, and the dense matrix_exp)
+    calls = _count_grid_products(monkeypatch)
     scheme = ComRoPELD(128, 2, depth=2, ndim=ndim)
-    coords = scheme.prepare(grid_coords(grid, mode="normalized"), num_prefix_tokens=1)[0]
+    coords = scheme.prepare(grid_coords(grid, mode="normalized"), num_prefix_tokens=prefix)[0]
+    assert len(coords) == prefix + math.prod(grid) and (coords[:prefix] == 0.5).all()
     fast, slow = scheme.rotations(coords, 1), LieBlockRotary.rotations(scheme, coords, 1)
-    assert calls and torch.allclose(fast, slow, atol=1e-6)
+    dense = _dense_rotations(scheme, coords, 1)
+    assert calls and torch.allclose(fast, slow, atol=1e-6) and torch.allclose(fast, dense, atol=1e-5)
     weights = torch.randn_like(fast)
-    grads = [torch.autograd.grad((rot * weights).sum(), list(scheme.parameters())) for rot in (fast, slow)]
-    for g_fast, g_slow in zip(*grads, strict=True):
+    grads = [torch.autograd.grad((rot * weights).sum(), list(scheme.parameters())) for rot in (fast, slow, dense)]
+    for g_fast, g_slow, g_dense in zip(*grads, strict=True):
         assert torch.allclose(g_fast, g_slow, atol=1e-4, rtol=1e-4)
+        assert torch.allclose(g_fast, g_dense, atol=1e-4, rtol=1e-4)
+
+
+def test_ld_prefix_grid_rows_splits_a_leading_position():
+    from visionpe.rotary.comrope_ld import prefix_grid_rows
+
+    grid = torch.cartesian_prod(torch.tensor([0, 2, 3]), torch.tensor([1, 4]))
+    centre = torch.tensor([[1, 2]])
+    for count in (0, 1, 3):
+        lead, rows = prefix_grid_rows(torch.cat((centre.expand(count, -1), grid)))
+        assert lead == count and [r.tolist() for r in rows] == [[0, 2, 3], [1, 4]]
+    # a 1 x 1 grid at the prefix position: every row alike, the last one is the grid
+    assert prefix_grid_rows(centre.expand(3, -1))[0] == 2
+    # the prefix somewhere else, or a grid in another order: no split, the gather
+    assert prefix_grid_rows(torch.cat((grid[:2], centre, grid[2:]))) == (0, None)
+    assert prefix_grid_rows(torch.cat((centre, grid.flip(0)))) == (0, None)
+
+
+def _tiny_vit(name: str, **kwargs):
+    return timm.create_model(
+        "visionpe_vit_tiny_patch16_224",
+        pos_embed=name,
+        depth=2,
+        embed_dim=64,
+        num_heads=2,
+        num_classes=5,
+        img_size=(48, 80),  # a 3 x 5 grid
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("prefix_kwargs", [{"class_token": False, "global_pool": "avg"}, {}, {"reg_tokens": 2}])
+def test_ld_model_with_rotated_prefix_takes_the_grid_product(monkeypatch, prefix_kwargs):
+    # the whole model, training (q and k rotated in place in the qkv output) and evaluation: the grid product
+    # with the rotated prefix gives the outputs and gradients of the gather (every token's factors multiplied)
+    from visionpe.rotary import comrope_ld
+
+    torch.manual_seed(0)
+    model = _tiny_vit("comrope_ld", **prefix_kwargs)
+    x = torch.randn(2, 3, 48, 80)
+    results = {}
+    for fast in (True, False):
+        calls = _count_grid_products(monkeypatch)
+        if not fast:
+            monkeypatch.setattr(comrope_ld, "prefix_grid_rows", lambda inverse: (0, None))
+        model.train().zero_grad()
+        out = model(x)
+        out.square().sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        with torch.no_grad():
+            evaluated = model.eval()(x)
+        results[fast] = out.detach(), grads, evaluated
+        assert bool(calls) == fast
+    (out, grads, evaluated), (ref_out, ref_grads, ref_evaluated) = results[True], results[False]
+    assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(evaluated, ref_evaluated, atol=1e-5)
+    assert torch.allclose(out, evaluated, atol=1e-5)
+    for g, ref in zip(grads, ref_grads, strict=True):
+        assert torch.allclose(g, ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_prefix_rotated_at_the_grid_centre_by_default(cls):
+    scheme = cls(128, 2, depth=2)
+    assert scheme.rotate_prefix and scheme.jitter_std == scheme.offset_std == 0.0
+    coords = scheme.coords((3, 6))
+    state = scheme.prepare(coords, num_prefix_tokens=2, grid_size=(3, 6))
+    assert state.num_prefix_tokens == 0 and torch.equal(state.coords[:2], torch.full((2, 2), 0.5))
+    assert torch.equal(state.coords[2:], coords)
+    # train-grid positions: the centre of the current grid, n / (2 n0) (0.5 on the training grid)
+    train = cls(128, 2, pos_norm="train_grid", grid_size=(4, 4))
+    state = train.prepare(train.coords((8, 6)), num_prefix_tokens=1, grid_size=(8, 6))
+    assert torch.allclose(state.coords[0], torch.tensor([1.0, 0.75]))
+    assert torch.allclose(train.prepare(train.coords((8, 6)), 1).coords[0], torch.tensor([1.0, 0.75]))
+    assert torch.allclose(train.prepare(train.coords((4, 4)), 1, grid_size=(4, 4)).coords[0], torch.full((2,), 0.5))
+    # the prefix keeps the relative property: its logits with the patches depend on differences only
+    qk = torch.randn(2, 1, 2, 1 + 18, 64)
+    logits = []
+    for shift in (0.0, 0.3):
+        pos = scheme.prepare(coords, 1, grid_size=(3, 6)).coords + shift
+        rot = scheme.rotate(qk.flatten(0, 1), pos, 1).unflatten(0, (2, 1))
+        logits.append(rot[0] @ rot[1].transpose(-1, -2))
+    assert torch.allclose(*logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_augmentations_only_in_training(cls):
+    torch.manual_seed(0)
+    plain = cls(128, 2, depth=2)
+    augmented = cls(128, 2, depth=2, jitter_std=0.3, offset_std=0.2)
+    augmented.load_state_dict(plain.state_dict())
+    coords, grid = grid_coords((6, 7), mode="normalized"), (6, 7)
+    qk = torch.randn(2, 1, 2, 1 + 42, 64)
+    expected = plain.apply(qk, plain.eval().prepare(coords, 1, grid_size=grid), 1)
+    augmented.eval()
+    state = augmented.prepare(coords, 1, grid_size=grid)
+    assert torch.equal(state.coords, plain.prepare(coords, 1, grid_size=grid).coords)
+    assert torch.equal(augmented.apply(qk, state, 1), expected)
+    augmented.train()
+    moved = augmented.prepare(coords, 1, grid_size=grid).coords
+    assert not torch.allclose(moved[1:], coords, atol=1e-3)
+
+
+@pytest.mark.parametrize("pos_norm", ["test_grid", "train_grid"])
+def test_jitter_in_cells_clamped_to_half_a_cell(pos_norm):
+    torch.manual_seed(0)
+    grid = (8, 10)
+    scheme = ComRoPEAP(128, 2, pos_norm=pos_norm, grid_size=(4, 5), jitter_std=0.3)
+    coords = scheme.coords(grid)
+    cells = 1 / torch.tensor(grid if pos_norm == "test_grid" else (4.0, 5.0))
+    deltas = torch.stack([scheme.prepare(coords, 2, grid_size=grid).coords for _ in range(200)])
+    assert (deltas[:, :2] == deltas[0, :2]).all()  # prefix tokens: not jittered (only offset)
+    jitter = (deltas[:, 2:] - coords) / cells  # in cells
+    assert jitter.abs().max() <= 0.5 + 1e-4 and jitter.abs().max() > 0.49  # clamped, and the clamp is reached
+    clamped = (torch.randn(10**6) * 0.3).clamp(-0.5, 0.5)  # the clamp at 1.67 sigma: std ~0.275
+    assert abs(jitter.std().item() - clamped.std().item()) < 0.01 and abs(jitter.mean().item()) < 0.01
+    # the count of distinct values stands for the grid side when grid_size is not given (test-grid norm)
+    unsized = torch.stack([scheme.prepare(coords, 0).coords for _ in range(50)])
+    assert ((unsized - coords) / cells).abs().max() <= 0.5 + 1e-4
+    huge = ComRoPEAP(128, 2, jitter_std=100.0)  # every draw clamped: the whole grid moves by half a cell or less
+    moved = (huge.prepare(coords, 0, grid_size=grid).coords - coords) / (1 / torch.tensor(grid))
+    assert torch.allclose(moved.abs(), torch.full_like(moved, 0.5), atol=1e-4)
+
+
+def test_jitter_leaves_time_axis_and_takes_the_gather(monkeypatch):
+    calls = _count_grid_products(monkeypatch)
+    scheme = ComRoPELD(96, 2, ndim=3, depth=2, block_size=8, jitter_std=0.5)
+    coords = grid_coords((2, 3, 4), mode="normalized")
+    state = scheme.prepare(coords, 1, grid_size=(2, 3, 4))
+    assert torch.equal(state.coords[1:, 0], coords[:, 0]) and not torch.allclose(state.coords[1:, 1:], coords[:, 1:])
+    rot = scheme.rotations(state.coords, 1)
+    assert not calls and torch.allclose(rot, _dense_rotations(scheme, state.coords, 1), atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_offset_is_one_global_shift_and_keeps_the_logits(monkeypatch, cls):
+    torch.manual_seed(0)
+    calls = _count_grid_products(monkeypatch)
+    scheme = cls(128, 2, depth=2, offset_std=0.5)
+    coords, grid = grid_coords((3, 5), mode="normalized"), (3, 5)
+    plain = torch.cat((torch.full((2, 2), 0.5), coords))
+    shifts = torch.stack([scheme.prepare(coords, 2, grid_size=grid).coords - plain for _ in range(400)])
+    assert torch.allclose(shifts, shifts[:, :1].expand_as(shifts), atol=1e-6)  # every token, the prefix too
+    assert torch.allclose(shifts[:, 0].std(0), torch.full((2,), 0.5), atol=0.06)
+    assert abs(shifts[:, 0].mean().item()) < 0.06
+    # relative property: the attention logits do not depend on the draw
+    qk = torch.randn(2, 1, 2, 2 + 15, 64)
+    logits = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        rot = scheme.apply(qk, scheme.prepare(coords, 2, grid_size=grid), 1)
+        logits.append(rot[0] @ rot[1].transpose(-1, -2))
+    scheme.eval()
+    rot = scheme.apply(qk, scheme.prepare(coords, 2, grid_size=grid), 1)
+    assert torch.allclose(logits[0], logits[1], atol=1e-4)
+    assert torch.allclose(logits[0], rot[0] @ rot[1].transpose(-1, -2), atol=1e-4)
+    assert bool(calls) == (cls is ComRoPELD)  # a shifted grid is still a whole grid: the grid product
+
+
+@pytest.mark.parametrize("name", ["comrope_ap", "comrope_ld"])
+def test_model_augmentations_train_but_not_evaluate(name):
+    torch.manual_seed(0)
+    plain = _tiny_vit(name)
+    augmented = _tiny_vit(name, pos_embed_kwargs={"jitter_std": 0.5, "offset_std": 0.3})
+    augmented.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 3, 48, 80)
+    with torch.no_grad():
+        assert torch.equal(augmented.eval()(x), plain.eval()(x))
+        trained = [augmented.train()(x) for _ in range(2)]
+    assert not torch.allclose(trained[0], trained[1], atol=1e-4)  # a new jitter every forward
+    shifted = _tiny_vit(name, pos_embed_kwargs={"offset_std": 0.3})
+    shifted.load_state_dict(plain.state_dict())
+    with torch.no_grad():  # the offset alone: a global shift, the relative property keeps the outputs
+        assert torch.allclose(shifted.train()(x), plain.train()(x), atol=1e-4)
+    shifted(x).square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in shifted.pos_schemes.parameters())
 
 
 def test_ld_grid_rows_only_for_a_whole_row_major_grid():

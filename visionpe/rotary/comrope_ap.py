@@ -5,7 +5,17 @@ R(x) = exp(sum_i A_i x_i), A_i = blockdiag(B_i1, ..., B_im) of b x b skew blocks
 B_ij = P_j - P_j^T if j mod n_axes = i, else 0: every block belongs to one axis, so the A_i commute and
 R(x)^T R(y) = R(y - x) exactly. P: (h, m, b, b) ~ N(0, init_std^2) per layer. b = 2 with fixed P is axial RoPE.
 Positions `normalized`, (i + 0.5) / n per axis (``pos_norm='test_grid'``) or / n_train (``'train_grid'``)
-[visionpe]. The reference rotates the cls token at (0.5, ..., 0.5): ``rotate_prefix=True``; default: identity.
+[visionpe]. Prefix tokens (cls, registers) are rotated at the centre of the grid, as the reference rotates its cls
+token (``prepend_cls=True``, ``cls_position=0.5``): ``rotate_prefix=True``, the default; (0.5, ..., 0.5) with
+``'test_grid'``, n_a / (2 n_train_a) with ``'train_grid'`` (0.5 on the training grid). ``rotate_prefix=False``
+leaves them unrotated (the identity).
+Training augmentations of the reference, off by default (``0.0``) and applied only in training mode
+(``module.training``, so never at evaluation), once per forward (:meth:`ComRoPEBase.prepare`):
+``jitter_std``, Gaussian jitter of every patch position with std ``jitter_std`` cells, clamped to +-0.5 cell (the
+reference's ``perturbation_intensity`` p is ``jitter_std = p / 2``; as there, the time axis of 3D grids is not
+jittered); ``offset_std``, one global shift of every token (prefix included) ~ N(0, offset_std^2) per axis, in the
+units of the positions (the grid is 1 wide with ``'test_grid'``); by the exact relative property it leaves the
+attention logits unchanged up to rounding (it matters only where something else reads absolute positions).
 Rotations are applied per block, never as (B, L, h, d, d) matrices.
 
 Cost: block j of a token turns by exp(x_a S_j) with one fixed skew S_j = P_j - P_j^T, so the exponentials are taken
@@ -30,7 +40,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ..grid import grid_coords
+from ..base import check_layer
+from ..grid import grid_coords, validate_count
 from ..registry import register_scheme
 from .lie_base import LieBlockRotary
 from .scaling import EXTRAPOLATION_MODES
@@ -73,6 +84,8 @@ class ComRoPEBase(LieBlockRotary):
         rotate_prefix: bool,
         grid_size: Sequence[int] | None,
         extrapolation: str,
+        jitter_std: float = 0.0,
+        offset_std: float = 0.0,
     ) -> None:
         if pos_norm not in POS_NORMS:
             raise ValueError(f"pos_norm must be one of {POS_NORMS}, got {pos_norm!r}")
@@ -82,9 +95,13 @@ class ComRoPEBase(LieBlockRotary):
             raise ValueError(f"init_std must be a finite non-negative number, got {init_std!r}")
         if not isinstance(rotate_prefix, bool):  # bool("no") is True
             raise ValueError(f"rotate_prefix must be a bool, got {rotate_prefix!r}")
+        for name, value in (("jitter_std", jitter_std), ("offset_std", offset_std)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
         self.pos_norm = pos_norm
         super().__init__(dim, num_heads, depth, block_size, ndim, grid_size, extrapolation)
         self.rotate_prefix, self.init_std = bool(rotate_prefix), float(init_std)
+        self.jitter_std, self.offset_std = float(jitter_std), float(offset_std)
         self.coord_mode = "normalized"
         self.blocks = nn.Parameter(torch.randn(depth, num_heads, self.num_blocks, block_size, block_size) * init_std)
 
@@ -103,15 +120,82 @@ class ComRoPEBase(LieBlockRotary):
         ref = torch.tensor(self.train_grid_size, dtype=torch.float32, device=device)
         return (grid_coords(grid_size, mode="index", device=device) + 0.5) / ref
 
-    def prefix_coords(self, num_prefix_tokens: int, coords: torch.Tensor) -> torch.Tensor | None:
+    def prefix_coords(
+        self, num_prefix_tokens: int, coords: torch.Tensor, grid_size: Sequence[int] | None = None
+    ) -> torch.Tensor | None:
+        """(num_prefix_tokens, ndim) positions of the prefix tokens, all at the centre of the grid, or None
+        (``rotate_prefix=False``: the identity).
+
+        The centre is 0.5 per axis with ``pos_norm='test_grid'``; with ``'train_grid'`` it is n_a / (2 n_train_a)
+        for ``grid_size`` (0.5 on the training grid), or without ``grid_size`` the middle of the extent of
+        ``coords`` (the same for a whole grid).
+        """
         if not self.rotate_prefix:
             return None
-        return coords.new_full((num_prefix_tokens, coords.shape[1]), 0.5)
+        if self.pos_norm == "test_grid":
+            centre = coords.new_full((coords.shape[1],), 0.5)
+        elif grid_size is not None:
+            sizes = torch.tensor(tuple(grid_size), dtype=torch.float64) / torch.tensor(self.train_grid_size)
+            centre = (sizes / 2).to(coords)
+        elif len(coords):
+            centre = (coords.amin(0) + coords.amax(0)) / 2
+        else:
+            centre = coords.new_full((coords.shape[1],), 0.5)
+        return centre.expand(num_prefix_tokens, -1)
+
+    def prepare(self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None):
+        """As :meth:`LieBlockRotary.prepare`, with the prefix tokens placed at the grid centre
+        (``rotate_prefix=True``: they are then rotated like patch tokens and the state has no unrotated prefix),
+        and in training mode the augmentations (:meth:`augment`) applied to the positions first."""
+        validate_count(num_prefix_tokens, "num_prefix_tokens")
+        grid_size = None if grid_size is None else self.check_grid(grid_size)  # sets the prefix centre and cells
+        coords = coords.float()
+        prefix = self.prefix_coords(num_prefix_tokens, coords, grid_size) if num_prefix_tokens else None
+        if prefix is not None:
+            coords, num_prefix_tokens, rotated = torch.cat((prefix, coords)), 0, len(prefix)
+        else:
+            rotated = 0
+        if self.training and (self.jitter_std or self.offset_std):
+            coords = self.augment(coords, rotated, grid_size)
+        return super().prepare(coords, num_prefix_tokens, grid_size)
+
+    def cell_sizes(self, coords: torch.Tensor, grid_size: Sequence[int] | None = None) -> torch.Tensor:
+        """(ndim,) width of one grid cell per axis in the units of the positions: 1 / n_train_a with
+        ``pos_norm='train_grid'``, 1 / n_a with ``'test_grid'`` (n from ``grid_size``, or without it the count of
+        distinct values of each axis of ``coords``: the grid side for a whole grid)."""
+        if self.pos_norm == "train_grid":
+            sides = torch.tensor(self.train_grid_size, dtype=torch.float32, device=coords.device)
+        elif grid_size is not None:
+            sides = torch.tensor(tuple(grid_size), dtype=torch.float32, device=coords.device)
+        else:
+            sides = torch.tensor([len(torch.unique(c)) for c in coords.unbind(1)], dtype=torch.float32)
+        return 1.0 / sides.to(coords.device).clamp_min(1)
+
+    def augment(
+        self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """The reference's training augmentations of the positions ``coords`` (P + N, ndim), whose first
+        ``num_prefix_tokens`` rows are (rotated) prefix tokens: every patch position moves by Gaussian jitter of
+        std ``jitter_std`` cells clamped to +-0.5 cell (the time axis of a 3D grid is not jittered, as in the
+        reference), then every token, prefix included, by one global offset ~ N(0, offset_std^2) per axis.
+
+        Called by :meth:`prepare` in training mode only; returns ``coords`` unchanged when both are 0.
+        """
+        if self.jitter_std and len(coords) > num_prefix_tokens:
+            patches = coords[num_prefix_tokens:]
+            noise = (torch.randn_like(patches) * self.jitter_std).clamp(-0.5, 0.5) * self.cell_sizes(patches, grid_size)
+            if self.ndim == 3:  # (t, y, x): frames are not jittered
+                noise[:, 0] = 0
+            coords = torch.cat((coords[:num_prefix_tokens], patches + noise))
+        if self.offset_std:
+            coords = coords + torch.randn(coords.shape[1], device=coords.device) * self.offset_std
+        return coords
 
     def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
         return self.rotation_chunks(coords, layer)(0, len(coords))
 
     def rotation_chunks(self, coords: torch.Tensor, layer: int) -> Callable[[int, int], torch.Tensor]:
+        check_layer(layer, self.depth, type(self).__name__)
         return self.rotation_plan(coords)(layer)
 
     def skew_blocks(self, layer: int) -> torch.Tensor:
@@ -163,10 +247,15 @@ class ComRoPEAP(ComRoPEBase):
         ndim: 2 (y, x) or 3 (t, y, x); block j rotates with axis j mod ndim.
         init_std: P ~ N(0, init_std^2).
         pos_norm: ``test_grid`` ((i + 0.5) / n) or ``train_grid`` ((i + 0.5) / n_train, extrapolates).
-        rotate_prefix: rotate prefix tokens at the grid centre as the reference does (default: identity).
+        rotate_prefix: True (default, as the reference): prefix tokens (cls, registers) are rotated at the grid
+            centre (:meth:`prefix_coords`); False: they get the identity.
         grid_size: training grid (the model passes it).
         extrapolation: ``none``, or with ``pos_norm='train_grid'``: ``pi``, ``ntk`` or ``yarn`` (the eigenfrequencies
             of each block rescaled per axis).
+        jitter_std: training only: std in cells of the Gaussian jitter of each patch position, clamped to +-0.5
+            cell (the reference's perturbation intensity / 2); 0 (default) turns it off.
+        offset_std: training only: std of one global offset of all positions per forward, in position units;
+            0 (default) turns it off. Both are finite non-negative numbers (:meth:`augment`).
     """
 
     def __init__(
@@ -178,12 +267,25 @@ class ComRoPEAP(ComRoPEBase):
         ndim: int = 2,
         init_std: float = 1.0,
         pos_norm: str = "test_grid",
-        rotate_prefix: bool = False,
+        rotate_prefix: bool = True,
         grid_size: Sequence[int] | None = None,
         extrapolation: str = "none",
+        jitter_std: float = 0.0,
+        offset_std: float = 0.0,
     ) -> None:
         super().__init__(
-            dim, num_heads, depth, block_size, ndim, init_std, pos_norm, rotate_prefix, grid_size, extrapolation
+            dim,
+            num_heads,
+            depth,
+            block_size,
+            ndim,
+            init_std,
+            pos_norm,
+            rotate_prefix,
+            grid_size,
+            extrapolation,
+            jitter_std,
+            offset_std,
         )
         if self.num_blocks < ndim:  # block j belongs to axis j mod ndim: every axis needs one
             raise ValueError(

@@ -11,8 +11,9 @@ exponential per distinct value of each coordinate (all axes in one series call),
 and extra axis (:meth:`ComRoPELD.rotation_plan`) instead of one exponential per token; gradients flow exactly.
 When the tokens are a whole grid in row-major order (a Cartesian product of the per-axis values, as patch tokens
 are), the products of a block for all tokens are one (b n_0) x b @ b x (b n_1) matrix product per head and block
-(:func:`grid_product`); other coordinates gather each token's factors. Without autograd the gather and product
-run by token chunks.
+(:func:`grid_product`), also after prefix tokens rotated at one position (the default ``rotate_prefix=True``:
+their rotation is built once and placed before the grid's, :func:`prefix_grid_rows`); other coordinates
+(jittered positions) gather each token's factors. Without autograd the gather and product run by token chunks.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ class ComRoPELD(ComRoPEBase):
         block_size: b, 8 by default.
         ndim: 2 (y, x) or 3 (t, y, x).
         init_std: P ~ N(0, init_std^2); theta ~ N(0, 1).
-        pos_norm, rotate_prefix, grid_size, extrapolation: as :class:`~visionpe.rotary.comrope_ap.ComRoPEAP`
-            (NTK / YaRN rescale the eigenfrequencies of theta_aj S_j per axis).
+        pos_norm, rotate_prefix, grid_size, extrapolation, jitter_std, offset_std: as
+            :class:`~visionpe.rotary.comrope_ap.ComRoPEAP` (prefix tokens rotated at the grid centre by default;
+            NTK / YaRN rescale the eigenfrequencies of theta_aj S_j per axis; the augmentations apply in training
+            only and are off by default).
     """
 
     def __init__(
@@ -52,12 +55,25 @@ class ComRoPELD(ComRoPEBase):
         ndim: int = 2,
         init_std: float = 1.0,
         pos_norm: str = "test_grid",
-        rotate_prefix: bool = False,
+        rotate_prefix: bool = True,
         grid_size: Sequence[int] | None = None,
         extrapolation: str = "none",
+        jitter_std: float = 0.0,
+        offset_std: float = 0.0,
     ) -> None:
         super().__init__(
-            dim, num_heads, depth, block_size, ndim, init_std, pos_norm, rotate_prefix, grid_size, extrapolation
+            dim,
+            num_heads,
+            depth,
+            block_size,
+            ndim,
+            init_std,
+            pos_norm,
+            rotate_prefix,
+            grid_size,
+            extrapolation,
+            jitter_std,
+            offset_std,
         )
         self.multipliers = nn.Parameter(torch.randn(depth, self.num_blocks, ndim))
 
@@ -77,7 +93,9 @@ class ComRoPELD(ComRoPEBase):
         # layer (word tables of all layers at once): the axes stack on the head dimension, (L, ndim h, m, 1, b, b)
         # generators theta_aj S_j
         values, inverse = distinct_values(coords)  # inverse: (N, ndim)
-        grid = grid_rows(inverse)  # per-axis table rows when the tokens are a whole row-major grid, else None
+        # per-axis table rows when the tokens after the first `lead` (a rotated prefix, all at one position) are a
+        # whole row-major grid, else None
+        lead, grid = prefix_grid_rows(inverse)
         theta = self.multipliers.transpose(1, 2)[:, :, None, :, None, None]  # (L, ndim, 1, m, 1, 1)
         gen = (skew * theta).flatten(1, 2).unsqueeze(3)
         build = block_skew_expm_layers(gen, values[:, None], self.series_dtype)
@@ -91,7 +109,12 @@ class ComRoPELD(ComRoPEBase):
                 rows = tuple(inverse[start:stop] for inverse in inverses)
                 with torch.autocast(coords.device.type, enabled=False):  # the product of the factors stays fp32
                     if grid is not None and (start, stop) == (0, len(coords)):
-                        return grid_product([t.index_select(1, r) for t, r in zip(tables, grid, strict=True)])
+                        factors = [t.index_select(1, r) for t, r in zip(tables, grid, strict=True)]
+                        if not lead:
+                            return grid_product(factors)
+                        # the prefix tokens share one position: one rotation per head and block, repeated
+                        first = _gathered_product(tuple(inverse[:1] for inverse in inverses), tables)
+                        return grid_product(factors, first.expand(-1, lead, -1, -1, -1))
                     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
                         return _GatheredProduct.apply(rows, *tables)
                     return _gathered_product(rows, tables)
@@ -121,11 +144,36 @@ def grid_rows(inverse: torch.Tensor) -> list[torch.Tensor] | None:
     return rows if torch.equal(full, inverse) else None
 
 
-def grid_product(factors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """F_0[i_0] F_1[i_1] ... for every combination (i_0, i_1, ...) in row-major order: (h, n_0 n_1 ..., m, b, b).
+def prefix_grid_rows(inverse: torch.Tensor) -> tuple[int, list[torch.Tensor] | None]:
+    """``(lead, rows)``: ``rows = grid_rows(inverse[lead:])`` is not None, with ``inverse[:lead]`` all the same
+    position (ComRoPE's rotated prefix tokens, at the grid centre, before the patch tokens); ``(0, None)`` when no
+    such split exists (jittered coordinates) or under torch.compile or export.
+
+    Any split found gives the same rotations as the gather: the first ``lead`` rows get the rotation of their one
+    position, the rest the grid product.
+    """
+    if inverse.ndim != 2 or not len(inverse) or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return 0, None
+    same = (inverse == inverse[:1]).all(1)
+    lead = int(same.int().cumprod(0).sum())  # leading rows at the first token's position
+    # a prefix of P tokens gives lead = P, or P + 1 when the first patch sits at the prefix position (a 1 x 1 grid);
+    # no prefix gives lead = 1 (or more for a grid with repeated tokens, which is no grid)
+    for count in dict.fromkeys((lead, lead - 1, 0)):
+        if 0 <= count < len(inverse):
+            rows = grid_rows(inverse[count:])
+            if rows is not None:
+                return count, rows
+    return 0, None
+
+
+def grid_product(factors: Sequence[torch.Tensor], prefix: torch.Tensor | None = None) -> torch.Tensor:
+    """F_0[i_0] F_1[i_1] ... for every combination (i_0, i_1, ...) in row-major order: (h, n_0 n_1 ..., m, b, b),
+    after the rotations ``prefix`` (h, P, m, b, b) when given: (h, P + n_0 n_1 ..., m, b, b).
 
     Args:
         factors: per axis a, (h, n_a, m, b, b) blocks for each of its n_a values.
+        prefix: rotations placed before the grid's (ComRoPE's rotated prefix tokens), in the one copy that lays
+            the grid's out anyway.
 
     For each head and block, the products with the next axis are one batched matrix product: the partial products
     stacked as rows, (b G) x b, times the next factors side by side, b x (b n_a); plain autograd keeps only the
@@ -140,7 +188,8 @@ def grid_product(factors: Sequence[torch.Tensor]) -> torch.Tensor:
         right = factor.permute(0, 2, 3, 4, 1).reshape(heads * blocks, b, b * count)  # (h m, j, (k, n_a))
         out = torch.bmm(prod.reshape(heads * blocks, b * size, b), right).view(heads, blocks, b, size, b, count)
         prod = out.permute(0, 1, 2, 3, 5, 4).reshape(heads, blocks, b, size * count, b)  # (h, m, i, G', k)
-    return prod.permute(0, 3, 1, 2, 4).contiguous()  # (h, G, m, i, k)
+    prod = prod.permute(0, 3, 1, 2, 4)  # (h, G, m, i, k)
+    return prod.contiguous() if prefix is None else torch.cat((prefix.to(prod.dtype), prod), 1)
 
 
 def _gathered_product(rows: tuple[torch.Tensor, ...], tables: Sequence[torch.Tensor]) -> torch.Tensor:
