@@ -108,12 +108,17 @@ class PosAttention(Attention):
                 q, k, v = qkv.unbind(0)
                 qk = torch.stack((self.q_norm(q), self.k_norm(k)))
             # q and k rotate together: one pass over both per scheme
-            if keep is not None:  # patch dropout: rotate on the full grid, dropped rows zero
-                qk = scatter_tokens(qk, keep, pos.num_tokens)
             for scheme, state in rotary:
-                qk = scheme.apply(qk, state, self.layer)
-            if keep is not None:
-                qk = gather_tokens(qk, keep)
+                if keep is None:
+                    qk = scheme.apply(qk, state, self.layer)
+                    continue
+                # patch dropout: the kept tokens' own rotations where the scheme can gather them, else rotated
+                # on the full grid (dropped rows zero) and gathered back
+                kept = scheme.apply_kept(qk, state, self.layer, keep)
+                if kept is None:
+                    full = scheme.apply(scatter_tokens(qk, keep, pos.num_tokens), state, self.layer)
+                    kept = gather_tokens(full, keep)
+                qk = kept
             q, k = qk.unbind(0)
             if torch.compiler.is_compiling():
                 # inductor (torch 2.14) can fix the token stride of the q/k it saves for attention's backward in a

@@ -188,6 +188,16 @@ class RotaryPositionEncoding(PositionEncoding, ABC):
     def apply(self, qk: torch.Tensor, state: Any, layer: int) -> torch.Tensor:
         """``qk``: (..., B, num_heads, num_prefix_tokens + N, head_dim), q and k stacked in front."""
 
+    def apply_kept(self, qk: torch.Tensor, state: Any, layer: int, keep: torch.Tensor) -> torch.Tensor | None:
+        """Rotate the tokens that patch dropout kept: ``qk`` (..., B, num_heads, K, head_dim) holds, per sample, the
+        tokens ``keep`` (B, K), indices into the ``num_prefix_tokens + N`` tokens that ``state`` was prepared for.
+
+        Return the rotated ``qk``, or None (the default) to have attention rotate them on the full sequence
+        (dropped rows zero) with :meth:`apply` and gather them back. Schemes with per-token tables override it to
+        gather the kept rows of the tables instead.
+        """
+        return None
+
     def apply_qkv_(self, qkv: torch.Tensor, state: Any, layer: int, num_heads: int) -> torch.Tensor | None:
         """Rotate q and k inside the fused projection output ``qkv`` (B * (num_prefix_tokens + N), 3 * num_heads *
         head_dim) in place and return it, or return None (the default) to have attention cut q and k from it and

@@ -88,3 +88,30 @@ def test_training_step_and_eval_without_dropout(pos_embed):
 def test_patch_dropout_still_refused_for_a_conv_between_blocks():
     with pytest.raises(ValueError, match="'cpe' runs after blocks \\(0,\\)"):  # the PEG convolves the whole grid
         _model("cpe", patch_drop_rate=0.5)
+
+
+@pytest.mark.parametrize("name", ["rope_axial", "rope_mixed", "string_cayley", "string_circulant"])
+def test_table_schemes_rotate_the_kept_tokens_from_gathered_tables(name):
+    # the gathered tables (apply_kept) against the generic path: rotate on the full sequence, dropped rows zero,
+    # and gather back; STRING with its P not folded into the projection (as with qk_norm)
+    from visionpe.attention import gather_tokens, scatter_tokens
+
+    torch.manual_seed(0)
+    scheme = visionpe.create_pos_embed(name, dim=64, num_heads=2, depth=2, grid_size=(3, 5))
+    with torch.no_grad():
+        for param in scheme.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    state = scheme.prepare(scheme.coords((3, 5)), num_prefix_tokens=1)
+    keep = torch.stack([torch.cat((torch.zeros(1), torch.randperm(15)[:7] + 1)).long() for _ in range(3)])
+    qk = torch.randn(2, 3, 2, 8, 32, requires_grad=True)
+    for layer in (0, 1):
+        fast = scheme.apply_kept(qk, state, layer, keep)
+        slow = gather_tokens(scheme.apply(scatter_tokens(qk, keep, 16), state, layer), keep)
+        torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-5)
+        params = [p for p in scheme.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(fast.square().sum(), [qk, *params], retain_graph=True)
+        ref = torch.autograd.grad(slow.square().sum(), [qk, *params], retain_graph=True)
+        for a, b in zip(grads, ref, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)  # sums over tokens in another order
+    with pytest.raises(ValueError, match=r"keep must be an int64 \(B, K\) index"):
+        scheme.apply_kept(qk, state, 0, keep[:, :4])

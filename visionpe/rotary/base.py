@@ -126,6 +126,30 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
         cos, sin = self.layer_tables(state, layer)
         return rotate_qkv_pairs_(qkv, cos, sin, num_heads)
 
+    def apply_kept(
+        self,
+        qk: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor] | LayerAngles,
+        layer: int,
+        keep: torch.Tensor,
+    ) -> torch.Tensor:
+        """Patch dropout: the kept rows of the cos/sin tables, gathered per sample ((B, num_heads | 1, K,
+        head_dim)), rotate the kept tokens ``qk`` (..., B, num_heads, K, head_dim) directly (see
+        :meth:`~visionpe.base.RotaryPositionEncoding.apply_kept`)."""
+        cos, sin = self.layer_tables(state, layer)
+        if (
+            keep.ndim != 2
+            or keep.dtype != torch.int64
+            or qk.ndim < 4
+            or (qk.shape[-4], qk.shape[-2], qk.shape[-1]) != (keep.shape[0], keep.shape[1], cos.shape[-1])
+        ):
+            raise ValueError(
+                f"keep must be an int64 (B, K) index of the kept tokens and qk (..., B, num_heads, K, "
+                f"head_dim={cos.shape[-1]}), got keep {tuple(keep.shape)} {keep.dtype} and qk {tuple(qk.shape)}"
+            )
+        cos, sin = (table[:, keep].transpose(0, 1) for table in (cos, sin))
+        return apply_rotary(qk, cos, sin)
+
     def layer_tables(
         self, state: tuple[torch.Tensor, torch.Tensor] | LayerAngles, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -86,6 +86,13 @@ class StringBase(LinearRotary):
             qk = qk @ basis.to(qk.dtype).transpose(-1, -2)
         return super().apply(qk, rotary, layer)
 
+    def apply_kept(self, qk: torch.Tensor, state, layer: int, keep: torch.Tensor) -> torch.Tensor:
+        check_layer(layer, self.depth, type(self).__name__)
+        rotary, basis = state  # P acts on each token alone: applied to the kept tokens, then their RoPE rows
+        if basis is not None:
+            qk = qk @ _layer_basis(basis, layer).to(qk.dtype).transpose(-1, -2)
+        return super().apply_kept(qk, rotary, layer, keep)
+
     def apply_qkv_(self, qkv: torch.Tensor, state, layer: int, num_heads: int) -> torch.Tensor | None:
         rotary, basis = state
         if basis is not None:  # P not folded into the projection (attention folds it when it can)
