@@ -92,7 +92,7 @@ def check_rotate_input(scheme: nn.Module, x: torch.Tensor, coords: torch.Tensor,
     if x.ndim != 4 or (heads and (x.shape[1], x.shape[3]) != (heads, head_dim)) or x.shape[0] == 0:
         raise ValueError(f"x must be a non-empty {expected} tensor for {name}, got shape {tuple(x.shape)}")
     check_layer(layer, getattr(scheme, "depth", None), name)
-    coords = check_coords(coords, scheme.ndims, name)
+    coords = check_coords(coords, getattr(scheme, "coord_ndims", scheme.ndims), name)
     if coords.shape[0] != x.shape[2]:
         raise ValueError(f"coords has {coords.shape[0]} rows but x has {x.shape[2]} tokens (dim 2)")
     return coords.to(x.device)

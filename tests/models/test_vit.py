@@ -264,7 +264,9 @@ def test_forward_intermediates_signature_matches_timm():
 
     ours = inspect.signature(visionpe.VisionPEViT.forward_intermediates).parameters
     theirs = inspect.signature(VisionTransformer.forward_intermediates).parameters
-    assert [(p.name, p.default) for p in ours.values()] == [(p.name, p.default) for p in theirs.values()]
+    # timm's parameters in timm's order, then depth= (STRING's RGB-D positions), keyword-compatible
+    expected = [(p.name, p.default) for p in theirs.values()] + [("depth", None)]
+    assert [(p.name, p.default) for p in ours.values()] == expected
 
 
 def test_forward_intermediates_output_dict_matches_timm():

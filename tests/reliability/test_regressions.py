@@ -39,9 +39,9 @@ def test_model_reads_the_grid_of_a_non_square_image_as_rows_by_columns(name):
     seen = []
     original = model.position_context
 
-    def spy(grid_size, device):
+    def spy(grid_size, device, *args):
         seen.append(tuple(grid_size))
-        return original(grid_size, device)
+        return original(grid_size, device, *args)
 
     model.position_context = spy
     model(torch.randn(1, 3, 8 * HEIGHT, 8 * WIDTH))

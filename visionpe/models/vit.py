@@ -180,11 +180,16 @@ class VisionPEViT(VisionTransformer):
     def _schemes(self, kind: str) -> list[nn.Module]:
         return [m for m in self.pos_schemes.values() if m.kind == kind]
 
-    def position_context(self, grid_size: tuple[int, ...], device: torch.device) -> PositionContext:
-        """Rotary and bias states for ``grid_size``, built once per forward for all blocks."""
+    def position_context(
+        self, grid_size: tuple[int, ...], device: torch.device, patch_depth: torch.Tensor | None = None
+    ) -> PositionContext:
+        """Rotary and bias states for ``grid_size``, built once per forward for all blocks; ``patch_depth``
+        (B, N), each patch's mean depth, goes to the schemes that rotate by depth (STRING's ``depth_coords``)."""
         ctx = PositionContext()
         for scheme in self._schemes("rotary"):
             coords = scheme.coords(grid_size, device)
+            if getattr(scheme, "depth_coords", False):
+                coords = scheme.depth_positions(coords, patch_depth)
             ctx.rotary.append((scheme, scheme.prepare(coords, self.num_prefix_tokens, grid_size=grid_size)))
         for scheme in self._schemes("bias"):
             ctx.bias.append((scheme, scheme.prepare(scheme.check_grid(grid_size), self.num_prefix_tokens, device)))
@@ -236,16 +241,63 @@ class VisionPEViT(VisionTransformer):
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
         return self._pos_embed_grid(x)[0]
 
-    def _blocks(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False, last: int | None = None):
+    @property
+    def takes_depth(self) -> bool:
+        """Whether a position scheme rotates by depth (STRING with ``depth_coords=True``): the forward then needs
+        ``depth=`` (B, 1, H, W) or (B, H, W), the depth map of the image."""
+        return any(getattr(scheme, "depth_coords", False) for scheme in self._schemes("rotary"))
+
+    def _patch_depth(self, depth: torch.Tensor | None, x: torch.Tensor, grid_size: tuple[int, ...]):
+        """(B, N) mean depth of each patch of ``depth`` (B, 1, H, W) or (B, H, W), the depth map of the images x
+        (B, C, H, W); None when no scheme takes depth. Patches that dynamic_img_pad cuts short average the
+        pixels they have."""
+        if not self.takes_depth:
+            if depth is not None:
+                raise ValueError(
+                    "depth= is read by STRING with depth_coords=True only; this model's schemes "
+                    f"{self.pos_embed_names} take no depth, got depth of shape {tuple(depth.shape)}"
+                )
+            return None
+        if depth is None:
+            raise ValueError(
+                "this model rotates by depth (STRING with depth_coords=True): call it with depth=(B, 1, H, W), "
+                "the depth map of the images, got depth=None"
+            )
+        if not isinstance(depth, torch.Tensor) or not depth.is_floating_point():
+            raise TypeError(f"depth must be a floating-point tensor, got {getattr(depth, 'dtype', type(depth))}")
+        if depth.ndim == 3:
+            depth = depth.unsqueeze(1)
+        if depth.ndim != 4 or depth.shape[1] != 1 or (depth.shape[0], *depth.shape[2:]) != (x.shape[0], *x.shape[2:]):
+            raise ValueError(
+                f"depth must be (B, 1, H, W) or (B, H, W) matching the images {tuple(x.shape)}, "
+                f"got {tuple(depth.shape)}"
+            )
+        patch = self.patch_embed.patch_size
+        with torch.autocast(depth.device.type, enabled=False):
+            pooled = torch.nn.functional.avg_pool2d(depth.float(), patch, patch, ceil_mode=True)
+        if tuple(pooled.shape[2:]) != tuple(grid_size):
+            raise ValueError(f"depth pools to a {tuple(pooled.shape[2:])} grid, but the patches form {grid_size}")
+        return pooled.flatten(1)
+
+    def _blocks(
+        self,
+        x: torch.Tensor,
+        attn_mask=None,
+        is_causal: bool = False,
+        last: int | None = None,
+        depth: torch.Tensor | None = None,
+    ):
         """Embed, then yield the tokens after each block (absolute schemes with ``insert_after`` applied)."""
         self._check_input(x)
+        images = x
         x, grid_size = self._pos_embed_grid(self.patch_embed(x))
+        patch_depth = self._patch_depth(depth, images, grid_size)
         num_tokens = x.shape[1]
         x, keep = (
             self.patch_drop(x) if isinstance(self.patch_drop, PatchDropoutWithIndices) else (self.patch_drop(x), None)
         )
         x = self.norm_pre(x)
-        ctx = self.position_context(grid_size, x.device)
+        ctx = self.position_context(grid_size, x.device, patch_depth)
         if keep is not None and (ctx.rotary or ctx.bias):
             # patch dropout: indices of the kept tokens (prefix tokens always kept) in the full sequence
             prefix = torch.arange(self.num_prefix_tokens, device=keep.device).expand(keep.shape[0], -1)
@@ -263,13 +315,28 @@ class VisionPEViT(VisionTransformer):
             yield x
 
     def forward_features(
-        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        depth: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(B, C, H, W) images -> (B, num_prefix_tokens + N, C) normalised tokens."""
+        """(B, C, H, W) images -> (B, num_prefix_tokens + N, C) normalised tokens; ``depth`` (B, 1, H, W), the
+        images' depth maps, only for STRING with ``depth_coords=True`` (RGB-D positions)."""
         tokens = x
-        for tokens in self._blocks(x, attn_mask, is_causal):  # noqa: B007 - the last block's output is the result
+        for tokens in self._blocks(x, attn_mask, is_causal, depth=depth):  # noqa: B007 - the last block's output
             pass
         return self.norm(tokens)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        depth: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """timm's forward; ``depth`` as in :meth:`forward_features`."""
+        return self.forward_head(self.forward_features(x, attn_mask=attn_mask, is_causal=is_causal, depth=depth))
 
     def forward_intermediates(
         self,
@@ -283,6 +350,7 @@ class VisionPEViT(VisionTransformer):
         output_dict: bool = False,
         attn_mask: torch.Tensor | None = None,
         is_causal: bool = False,
+        depth: torch.Tensor | None = None,
     ):
         """timm's feature-extraction API (same signature and outputs as timm 1.0's ``VisionTransformer``).
 
@@ -300,7 +368,7 @@ class VisionPEViT(VisionTransformer):
         feat_h, feat_w = self.patch_embed.dynamic_feat_size((height, width))
         intermediates, prefixes = [], []
         tokens = x
-        for i, tokens in enumerate(self._blocks(x, attn_mask, is_causal, last=max_index if stop_early else None)):
+        for i, tokens in enumerate(self._blocks(x, attn_mask, is_causal, max_index if stop_early else None, depth)):
             if i in take_indices:
                 y = self.norm(tokens) if norm else tokens
                 spatial, prefix = y[:, self.num_prefix_tokens :], y[:, : self.num_prefix_tokens]

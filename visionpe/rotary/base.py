@@ -29,7 +29,8 @@ __all__ = ["LinearRotary", "LayerAngles"]
 class LayerAngles:
     """Rotary state of a scheme with per-layer frequencies: each layer's cos/sin are built when it applies them.
 
-    ``coords`` (N, ndim) patch coordinates, ``freqs`` (depth, num_heads | 1, ndim, head_dim // 2) frequencies
+    ``coords`` (N, ndim) patch coordinates (or (B, 1, N, ndim) per sample: STRING's RGB-D depth), ``freqs``
+    (depth | 1, num_heads | 1, ndim, head_dim // 2) frequencies
     after extrapolation scaling, ``mscale`` the YaRN multiplier of the tables; ``LinearRotary.layer_tables``
     builds one layer's tables from it.
     """
@@ -106,6 +107,8 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
         self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | LayerAngles:
         freqs, mscale = self.scaled_frequencies(grid_size)
+        if coords.ndim == 3:  # per-sample positions (B, N, ndim): (B, num_heads | 1, P + N, head_dim) per layer
+            return LayerAngles(coords.unsqueeze(1), freqs, num_prefix_tokens, mscale)
         if freqs.shape[0] > 1:
             return LayerAngles(coords, freqs, num_prefix_tokens, mscale)
         return _tables(coords, freqs, num_prefix_tokens, mscale)
@@ -118,6 +121,7 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
         for low precision, ONNX export and compiled graphs)."""
         if (
             qkv.dtype != torch.float32
+            or (isinstance(state, LayerAngles) and state.coords.ndim > 2)  # per-sample tables: out of place
             or torch.compiler.is_compiling()
             or torch.jit.is_tracing()
             or torch.onnx.is_in_onnx_export()
@@ -147,7 +151,11 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
                 f"keep must be an int64 (B, K) index of the kept tokens and qk (..., B, num_heads, K, "
                 f"head_dim={cos.shape[-1]}), got keep {tuple(keep.shape)} {keep.dtype} and qk {tuple(qk.shape)}"
             )
-        cos, sin = (table[:, keep].transpose(0, 1) for table in (cos, sin))
+        if cos.ndim == 3:  # (num_heads | 1, T, head_dim): the rows of each sample's kept tokens
+            cos, sin = (table[:, keep].transpose(0, 1) for table in (cos, sin))
+        else:  # per-sample tables (B, num_heads | 1, T, head_dim)
+            index = keep[:, None, :, None].expand(-1, cos.shape[1], -1, cos.shape[-1])
+            cos, sin = cos.gather(2, index), sin.gather(2, index)
         return apply_rotary(qk, cos, sin)
 
     def layer_tables(
@@ -156,7 +164,8 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
         """cos/sin (num_heads | 1, P + N, head_dim) of block ``layer`` from a ``prepare`` state."""
         check_layer(layer, self.depth, type(self).__name__)
         if isinstance(state, LayerAngles):
-            return _tables(state.coords, state.freqs[layer], state.num_prefix_tokens, state.mscale)
+            freqs = state.freqs[layer if state.freqs.shape[0] > 1 else 0]
+            return _tables(state.coords, freqs, state.num_prefix_tokens, state.mscale)
         cos, sin = state
         if cos.shape[0] > 1:
             return cos[layer], sin[layer]

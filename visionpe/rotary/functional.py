@@ -18,7 +18,8 @@ def rotary_angles(coords: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Angles ``phi = coords @ freqs`` in fp32.
 
     Args:
-        coords: (N, ndim) token coordinates.
+        coords: (N, ndim) token coordinates, or (..., N, ndim) with leading dims that broadcast against those of
+            ``freqs`` (per-sample positions: (B, 1, N, ndim) with (num_heads, ndim, P) frequencies).
         freqs: (..., ndim, P) frequencies of P rotary pairs per axis (zero where a pair ignores an axis).
 
     Returns:
@@ -28,9 +29,9 @@ def rotary_angles(coords: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         >>> rotary_angles(torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 0.0], [0.0, 0.5]]))
         tensor([[1., 1.]])
     """
-    if coords.ndim != 2 or freqs.ndim < 2 or coords.shape[1] != freqs.shape[-2]:
+    if coords.ndim < 2 or freqs.ndim < 2 or coords.shape[-1] != freqs.shape[-2]:
         raise ValueError(
-            f"coords (N, ndim) and freqs (..., ndim, P) must share ndim, got {tuple(coords.shape)} "
+            f"coords (..., N, ndim) and freqs (..., ndim, P) must share ndim, got {tuple(coords.shape)} "
             f"and {tuple(freqs.shape)}"
         )
     with torch.autocast(coords.device.type, enabled=False):

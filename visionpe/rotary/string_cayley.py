@@ -53,8 +53,40 @@ class StringBase(LinearRotary):
     moved P into the q/k projections, ``apply`` is plain RoPE. ``rotate`` always returns R(r) x.
     """
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        depth: int,
+        ndim: int,
+        coord_mode: str = "index",
+        grid_size: Sequence[int] | None = None,
+        extrapolation: str = "none",
+        yarn_alpha: float = 1.0,
+        yarn_beta: float = 32.0,
+        depth_coords: bool = False,
+    ) -> None:
+        if not isinstance(depth_coords, bool):
+            raise TypeError(f"depth_coords must be a bool, got {type(depth_coords).__name__} ({depth_coords!r})")
+        if depth_coords:
+            # RGB-D (SCHEMES.md A8): r = (z, y, x) on a 2D image grid, z from each patch's mean depth
+            if ndim != 2:
+                raise ValueError(f"depth_coords=True adds a depth axis to 2D image grids (ndim=2), got ndim={ndim}")
+            if extrapolation != "none" or coord_mode == "ref_scaled":
+                raise ValueError(
+                    "depth_coords=True rotates by learned depth positions, which no grid ratio scales: it needs "
+                    f"extrapolation='none' and a coord_mode other than 'ref_scaled', got extrapolation="
+                    f"{extrapolation!r}, coord_mode={coord_mode!r}"
+                )
+            ndim, grid_size = 3, None
+        super().__init__(dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta)
+        self.depth_coords = depth_coords
+        if depth_coords:
+            # the learnable linear layer of A8 on the mean-pooled depth, starting at z = depth
+            self.depth_proj = nn.Linear(1, 1)
+            with torch.no_grad():
+                self.depth_proj.weight.fill_(1.0)
+                self.depth_proj.bias.zero_()
         # the buffer keeps the flag in checkpoints; forward reads the Python copy, so that torch.export and
         # torch.compile see no data-dependent branch
         self.register_buffer("folded", torch.zeros((), dtype=torch.bool))
@@ -63,6 +95,49 @@ class StringBase(LinearRotary):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self.is_folded = bool(self.folded)
+
+    @property
+    def ndims(self) -> tuple[int, ...]:
+        """Grid ranks: 2 (the image grid) with ``depth_coords``, whose positions have a third axis, else ndim."""
+        return (2,) if self.depth_coords else (self.ndim,)
+
+    @property
+    def coord_ndims(self) -> tuple[int, ...]:
+        """Columns of the positions ``rotate`` takes: (z, y, x) with ``depth_coords``."""
+        return (self.ndim,)
+
+    def extrapolation_refusal(self, mode: str, train_grid_size: tuple[int, ...] | None = None) -> str | None:
+        if getattr(self, "depth_coords", False) and mode != "none":
+            name = type(self).__name__
+            return f"{name} with depth_coords=True has no extrapolation mode (its z is learned), got {mode!r}"
+        return super().extrapolation_refusal(mode, train_grid_size)
+
+    def depth_positions(self, coords: torch.Tensor, patch_depth: torch.Tensor) -> torch.Tensor:
+        """(B, N, 3) positions (z, y, x) of RGB-D patches: z = w d + b (``depth_proj``, learned) of each patch's
+        mean depth d, ``patch_depth`` (B, N), and (y, x) the grid ``coords`` (N, 2) (SCHEMES.md A8).
+
+        Example:
+            >>> s = StringCayley(32, 2, depth_coords=True)
+            >>> s.depth_positions(s.coords((1, 2)), torch.tensor([[0.5, 2.0]]))
+            tensor([[[0.5000, 0.0000, 0.0000],
+                     [2.0000, 0.0000, 1.0000]]], grad_fn=<CatBackward0>)
+        """
+        if not self.depth_coords:
+            raise ValueError(f"{type(self).__name__} was built without depth_coords=True: it takes no depth")
+        if not isinstance(patch_depth, torch.Tensor) or not isinstance(coords, torch.Tensor):
+            raise TypeError("coords and patch_depth must be tensors")
+        if coords.ndim != 2 or coords.shape[1] != 2:
+            raise ValueError(f"coords must be (N, 2) image grid positions (y, x), got {tuple(coords.shape)}")
+        if patch_depth.ndim != 2 or patch_depth.shape[1] != coords.shape[0] or not patch_depth.is_floating_point():
+            raise ValueError(
+                f"patch_depth must be a floating-point (B, N={coords.shape[0]}) tensor of mean patch depths, got "
+                f"{tuple(patch_depth.shape)} {patch_depth.dtype}"
+            )
+        if not bool(torch.isfinite(patch_depth).all()):
+            raise ValueError("patch_depth must be finite (fill missing depth before the model)")
+        with torch.autocast(patch_depth.device.type, enabled=False):  # positions stay fp32
+            z = self.depth_proj(patch_depth.float().unsqueeze(-1))
+            return torch.cat((z, coords.to(z).expand(len(z), -1, -1)), -1)
 
     def string_basis(self) -> torch.Tensor:
         """(depth | 1, num_heads | 1, head_dim, head_dim) orthogonal P, applied before RoPE."""
@@ -73,7 +148,15 @@ class StringBase(LinearRotary):
         return None
 
     def prepare(self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None):
-        """(RoPE state of :meth:`LinearRotary.prepare`, P for every layer or None once folded)."""
+        """(RoPE state of :meth:`LinearRotary.prepare`, P for every layer or None once folded).
+
+        With ``depth_coords``, ``coords`` are the (B, N, 3) or (N, 3) positions of :meth:`depth_positions`.
+        """
+        if self.depth_coords and coords.shape[-1] != 3:
+            raise ValueError(
+                f"{type(self).__name__} with depth_coords=True needs (z, y, x) positions from depth_positions(...), "
+                f"got coords of shape {tuple(coords.shape)} (a model passes them when called with depth=...)"
+            )
         rotary = super().prepare(coords, num_prefix_tokens, grid_size)
         basis = None if self.is_folded else self.string_basis()
         return rotary, basis
@@ -130,6 +213,9 @@ class StringCayley(StringBase):
         learn_frequencies: learn theta (the paper learns all angle frequencies) or keep axial RoPE's.
         coord_mode: grid convention (``index``).
         grid_size, extrapolation, yarn_alpha, yarn_beta: training grid and A13 scaling of the RoPE part.
+        depth_coords: RGB-D (SCHEMES.md A8): on a 2D image grid, rotate by r = (z, y, x) with z a learned linear
+            function of each patch's mean depth (:meth:`~StringBase.depth_positions`); the model then takes
+            ``depth=`` (B, 1, H, W). Needs ``ndim=2`` (the model's) and ``extrapolation='none'``.
     """
 
     def __init__(
@@ -145,8 +231,12 @@ class StringCayley(StringBase):
         extrapolation: str = "none",
         yarn_alpha: float = 1.0,
         yarn_beta: float = 32.0,
+        depth_coords: bool = False,
     ) -> None:
-        super().__init__(dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta)
+        super().__init__(
+            dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta, depth_coords
+        )
+        ndim = self.ndim  # 3 with depth_coords: (z, y, x)
         check_base(base)
         if ndim == 3 and self.head_dim < 8:  # the t axis gets head_dim // 8 frequency pairs
             raise ValueError(

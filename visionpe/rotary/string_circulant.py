@@ -91,6 +91,8 @@ class StringCirculant(StringBase):
         ndim: 2 for images, 3 for (t, y, x) video or (z, y, x) RGB-D positions passed to ``rotate``.
         coord_mode: grid convention (``index``).
         grid_size, extrapolation, yarn_alpha, yarn_beta: training grid and A13 scaling of phi.
+        depth_coords: RGB-D positions (z, y, x) on a 2D image grid, as
+            :class:`~visionpe.rotary.string_cayley.StringCayley`.
     """
 
     def __init__(
@@ -105,8 +107,12 @@ class StringCirculant(StringBase):
         extrapolation: str = "none",
         yarn_alpha: float = 1.0,
         yarn_beta: float = 32.0,
+        depth_coords: bool = False,
     ) -> None:
-        super().__init__(dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta)
+        super().__init__(
+            dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta, depth_coords
+        )
+        ndim = self.ndim  # 3 with depth_coords: (z, y, x)
         check_base(base)
         bins = self.head_dim // 2 - 1  # rotating bins 1..d/2-1; DC and Nyquist are real and stay fixed
         if bins < ndim:
