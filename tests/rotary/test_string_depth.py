@@ -108,6 +108,8 @@ def test_depth_model_trains_in_fp32_and_bf16_with_gradients_to_the_depth_layer(n
     model(x, depth=depth).square().mean().backward()
     proj = model.pos_schemes[name].depth_proj
     assert proj.weight.grad.abs().sum() > 0 and proj.bias.grad is not None
+    # a position parameter: kept out of weight decay, as the frequencies and P are
+    assert {f"pos_schemes.{name}.depth_proj.weight", f"pos_schemes.{name}.depth_proj.bias"} <= model.no_weight_decay()
     for param in model.pos_schemes.parameters():
         assert param.grad is not None and torch.isfinite(param.grad).all()
     model.zero_grad()

@@ -139,6 +139,10 @@ class StringBase(LinearRotary):
             z = self.depth_proj(patch_depth.float().unsqueeze(-1))
             return torch.cat((z, coords.to(z).expand(len(z), -1, -1)), -1)
 
+    def no_weight_decay(self) -> set[str]:
+        """The depth layer (decay would pull z towards a constant, i.e. 2D STRING); subclasses add their own."""
+        return {"depth_proj.weight", "depth_proj.bias"} if self.depth_coords else set()
+
     def string_basis(self) -> torch.Tensor:
         """(depth | 1, num_heads | 1, head_dim, head_dim) orthogonal P, applied before RoPE."""
         raise RuntimeError(f"{type(self).__name__} must define string_basis()")
@@ -261,7 +265,7 @@ class StringCayley(StringBase):
 
     def no_weight_decay(self) -> set[str]:
         """The frequencies and the skew parameters of P (decay would pull P towards the identity, i.e. RoPE)."""
-        return {"freqs", "skew_params"}
+        return super().no_weight_decay() | {"freqs", "skew_params"}
 
 
 def fold_string_(model: nn.Module) -> nn.Module:

@@ -158,4 +158,4 @@ class StringCirculant(StringBase):
         return circulant_string_fft(x, coords, c)
 
     def no_weight_decay(self) -> set[str]:
-        return {"first_columns"}
+        return super().no_weight_decay() | {"first_columns"}
