@@ -85,12 +85,12 @@ class PosAttention(Attention):
                 basis, rest = folded
                 rotary = [(rotary[0][0], rest), *rotary[1:]]
         keep = pos.keep
-        if len(rotary) == 1 and plain_qk and keep is None:
+        if len(rotary) == 1 and plain_qk:
             # a scheme that rotates q and k inside the projection output (RoPE, STRING, LieRE, ComRoPE): q, k, v
             # stay views of one buffer, as in timm. Projected from the flattened tokens, the output is the gemm's
             # own tensor, not a view of it, so autograd records the in-place rotation without copying its gradient
             qkv = self.project_qkv(x.reshape(B * N, -1), basis)
-            rotated = rotary[0][0].apply_qkv_(qkv, rotary[0][1], self.layer, self.num_heads)
+            rotated = rotary[0][0].apply_qkv_(qkv, rotary[0][1], self.layer, self.num_heads, keep)
             if rotated is not None:
                 qkv, rotary = rotated, []
         else:

@@ -198,10 +198,13 @@ class RotaryPositionEncoding(PositionEncoding, ABC):
         """
         return None
 
-    def apply_qkv_(self, qkv: torch.Tensor, state: Any, layer: int, num_heads: int) -> torch.Tensor | None:
+    def apply_qkv_(
+        self, qkv: torch.Tensor, state: Any, layer: int, num_heads: int, keep: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """Rotate q and k inside the fused projection output ``qkv`` (B * (num_prefix_tokens + N), 3 * num_heads *
         head_dim) in place and return it, or return None (the default) to have attention cut q and k from it and
-        call :meth:`apply`.
+        call :meth:`apply` (:meth:`apply_kept` with patch dropout's ``keep`` (B, K), when qkv holds B * K rows of
+        the kept tokens).
 
         For schemes whose backward needs only the rotated q and k: attention then cuts q, k, v from one buffer
         as timm's Attention does, and no second q/k buffer lives from forward to backward.

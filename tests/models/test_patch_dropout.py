@@ -113,5 +113,7 @@ def test_table_schemes_rotate_the_kept_tokens_from_gathered_tables(name):
         ref = torch.autograd.grad(slow.square().sum(), [qk, *params], retain_graph=True)
         for a, b in zip(grads, ref, strict=True):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)  # sums over tokens in another order
-    with pytest.raises(ValueError, match=r"keep must be an int64 \(B, K\) index"):
+    with pytest.raises(ValueError, match=r"qk must have shape \(\.\.\., B=3, num_heads, K=4, head_dim=32\)"):
         scheme.apply_kept(qk, state, 0, keep[:, :4])
+    with pytest.raises(ValueError, match=r"keep must be an int64 \(B, K\) index"):
+        scheme.apply_kept(qk, state, 0, keep.int())

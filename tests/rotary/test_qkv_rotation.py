@@ -239,3 +239,68 @@ def test_linear_scheme_apply_qkv_equals_apply_at_a_larger_grid_with_yarn(name):
         return torch.cat((scheme.apply(qk, state, 1), v.unsqueeze(0))).permute(1, 3, 0, 2, 4).flatten(2)
 
     assert torch.allclose(run(True), run(False), atol=1e-5)
+
+
+@pytest.mark.parametrize("heads_table", [1, 2])
+def test_pair_rotation_with_a_table_per_image_equals_apply(heads_table):
+    # per-image tables (B, heads | 1, T, head_dim): patch dropout's kept rows, STRING's RGB-D positions
+    torch.manual_seed(0)
+    batch, tokens, heads = 3, 5, 2
+    angles = torch.randn(batch, heads_table, tokens, 8, requires_grad=True)
+    qkv = torch.randn(batch * tokens, 3 * heads * 16, requires_grad=True)
+    weights = torch.randn(batch, tokens, 3 * heads * 16)
+
+    def in_place():
+        cos, sin = rotary_tables(angles)
+        return rotate_qkv_pairs_(qkv.clone(), cos, sin, heads).view(batch, tokens, -1)
+
+    def out_of_place():
+        cos, sin = rotary_tables(angles)
+        qk, v = _cut(qkv.view(batch, tokens, -1), heads)
+        return torch.cat((apply_rotary(qk, cos, sin), v.unsqueeze(0))).permute(1, 3, 0, 2, 4).flatten(2)
+
+    assert torch.allclose(in_place(), out_of_place(), atol=1e-6)
+    grads = [torch.autograd.grad((fn() * weights).sum(), [qkv, angles]) for fn in (in_place, out_of_place)]
+    for grad, ref in zip(*grads, strict=True):
+        assert torch.allclose(grad, ref, atol=1e-5)
+    cos, sin = rotary_tables(angles.detach())
+    with pytest.raises(ValueError, match=r"\(B, num_heads \| 1, T, head_dim\) with B \* T rows"):
+        rotate_qkv_pairs_(torch.randn(batch * tokens + 1, 3 * heads * 16), cos, sin, heads)
+
+
+@pytest.mark.parametrize("name", LINEAR_SCHEMES)
+def test_linear_scheme_apply_qkv_with_kept_tokens_equals_apply_kept(name):
+    torch.manual_seed(0)
+    scheme = visionpe.create_pos_embed(name, dim=64, num_heads=2, depth=2, grid_size=(3, 5))
+    with torch.no_grad():
+        for param in scheme.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    keep = torch.stack([torch.cat((torch.zeros(1), torch.randperm(15)[:7] + 1)).long() for _ in range(3)])
+    qkv = torch.randn(3 * 8, 3 * 64, requires_grad=True)
+    weights = torch.randn(3, 8, 3 * 64)
+
+    def run(in_place):
+        state = scheme.prepare(scheme.coords((3, 5)), 1)
+        folded = scheme.projection_basis(state, 1)
+        x = qkv.clone()
+        if folded is not None:  # STRING: P folded into the projection, as attention does
+            basis, state = folded
+            x = x.view(3, 8, 3, 2, 32)
+            x = torch.cat(((x[:, :, :2].unsqueeze(-2) @ basis.transpose(-1, -2)).squeeze(-2), x[:, :, 2:]), 2)
+            x = x.reshape(3 * 8, -1)
+        if in_place:
+            out = scheme.apply_qkv_(x, state, 1, 2, keep)
+            assert out is not None
+            return out.view(3, 8, -1)
+        qk, v = _cut(x.view(3, 8, -1), 2)
+        return torch.cat((scheme.apply_kept(qk, state, 1, keep), v.unsqueeze(0))).permute(1, 3, 0, 2, 4).flatten(2)
+
+    params = [p for p in scheme.parameters() if p.requires_grad]
+    outs, grads = [], []
+    for in_place in (True, False):
+        out = run(in_place)
+        outs.append(out)
+        grads.append(torch.autograd.grad((out * weights).sum(), [qkv, *params]))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    for grad, ref in zip(*grads, strict=True):
+        torch.testing.assert_close(grad, ref, atol=1e-4, rtol=1e-4)

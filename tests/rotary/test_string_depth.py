@@ -97,8 +97,11 @@ def test_per_sample_state_rotates_as_rotate_does(scheme_cls):
             out_basis = scheme.rotation_output_basis()
             got = got if out_basis is None else got @ out_basis
             torch.testing.assert_close(got, scheme.rotate(qk[:, b, :, 1:], pos[b].detach(), layer))
-    # the in-place fused path refuses per-sample tables (attention then calls apply)
-    assert scheme.apply_qkv_(torch.randn(2 * 16, 3 * 64), (state[0], None), 0, 2) is None
+    # the in-place fused path (P folded into the projection) rotates each image by its own tables too
+    qkv = torch.randn(2 * 16, 3 * 64)
+    rotated = scheme.apply_qkv_(qkv.clone(), (state[0], None), 0, 2).view(2, 16, 3, 2, 32)
+    expected = scheme.apply(qkv.view(2, 16, 3, 2, 32)[:, :, :2].permute(2, 0, 3, 1, 4), (state[0], None), 0)
+    torch.testing.assert_close(rotated[:, :, :2].permute(2, 0, 3, 1, 4), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -114,20 +114,25 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
         return _tables(coords, freqs, num_prefix_tokens, mscale)
 
     def apply_qkv_(
-        self, qkv: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | LayerAngles, layer: int, num_heads: int
+        self,
+        qkv: torch.Tensor,
+        state: tuple[torch.Tensor, torch.Tensor] | LayerAngles,
+        layer: int,
+        num_heads: int,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """fp32 in eager mode: q and k rotated in place in the fused projection output
-        (:func:`~visionpe.rotary.functional.rotate_qkv_pairs_`); otherwise None (:meth:`apply`: the real form
-        for low precision, ONNX export and compiled graphs)."""
+        (:func:`~visionpe.rotary.functional.rotate_qkv_pairs_`), per image for per-sample tables and with
+        patch dropout's ``keep`` (the kept rows of the tables, as :meth:`apply_kept`); otherwise None
+        (:meth:`apply`: the real form for low precision, ONNX export and compiled graphs)."""
         if (
             qkv.dtype != torch.float32
-            or (isinstance(state, LayerAngles) and state.coords.ndim > 2)  # per-sample tables: out of place
             or torch.compiler.is_compiling()
             or torch.jit.is_tracing()
             or torch.onnx.is_in_onnx_export()
         ):
             return None
-        cos, sin = self.layer_tables(state, layer)
+        cos, sin = self.layer_tables(state, layer) if keep is None else self.kept_tables(state, layer, keep)
         return rotate_qkv_pairs_(qkv, cos, sin, num_heads)
 
     def apply_kept(
@@ -137,26 +142,31 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
         layer: int,
         keep: torch.Tensor,
     ) -> torch.Tensor:
-        """Patch dropout: the kept rows of the cos/sin tables, gathered per sample ((B, num_heads | 1, K,
-        head_dim)), rotate the kept tokens ``qk`` (..., B, num_heads, K, head_dim) directly (see
+        """Patch dropout: the kept rows of the cos/sin tables, gathered per sample (:meth:`kept_tables`), rotate
+        the kept tokens ``qk`` (..., B, num_heads, K, head_dim) directly (see
         :meth:`~visionpe.base.RotaryPositionEncoding.apply_kept`)."""
-        cos, sin = self.layer_tables(state, layer)
-        if (
-            keep.ndim != 2
-            or keep.dtype != torch.int64
-            or qk.ndim < 4
-            or (qk.shape[-4], qk.shape[-2], qk.shape[-1]) != (keep.shape[0], keep.shape[1], cos.shape[-1])
-        ):
+        cos, sin = self.kept_tables(state, layer, keep)
+        if qk.ndim < 4 or (qk.shape[-4], qk.shape[-2], qk.shape[-1]) != (cos.shape[0], *cos.shape[-2:]):
             raise ValueError(
-                f"keep must be an int64 (B, K) index of the kept tokens and qk (..., B, num_heads, K, "
-                f"head_dim={cos.shape[-1]}), got keep {tuple(keep.shape)} {keep.dtype} and qk {tuple(qk.shape)}"
+                f"qk must have shape (..., B={cos.shape[0]}, num_heads, K={cos.shape[-2]}, "
+                f"head_dim={cos.shape[-1]}) for keep {tuple(keep.shape)}, got {tuple(qk.shape)}"
             )
-        if cos.ndim == 3:  # (num_heads | 1, T, head_dim): the rows of each sample's kept tokens
-            cos, sin = (table[:, keep].transpose(0, 1) for table in (cos, sin))
-        else:  # per-sample tables (B, num_heads | 1, T, head_dim)
-            index = keep[:, None, :, None].expand(-1, cos.shape[1], -1, cos.shape[-1])
-            cos, sin = cos.gather(2, index), sin.gather(2, index)
         return apply_rotary(qk, cos, sin)
+
+    def kept_tables(
+        self, state: tuple[torch.Tensor, torch.Tensor] | LayerAngles, layer: int, keep: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (B, num_heads | 1, K, head_dim) of block ``layer`` at the tokens ``keep`` (B, K) of each sample
+        (int64 indices into the P + N tokens of the prepared state)."""
+        cos, sin = self.layer_tables(state, layer)
+        if not isinstance(keep, torch.Tensor) or keep.ndim != 2 or keep.dtype != torch.int64:
+            got = f"{tuple(keep.shape)} {keep.dtype}" if isinstance(keep, torch.Tensor) else type(keep).__name__
+            raise ValueError(f"keep must be an int64 (B, K) index of the kept tokens, got {got}")
+        if cos.ndim == 3:  # (num_heads | 1, T, head_dim): the rows of each sample's kept tokens
+            return tuple(table[:, keep].transpose(0, 1) for table in (cos, sin))
+        # per-sample tables (B, num_heads | 1, T, head_dim)
+        index = keep[:, None, :, None].expand(-1, cos.shape[1], -1, cos.shape[-1])
+        return cos.gather(2, index), sin.gather(2, index)
 
     def layer_tables(
         self, state: tuple[torch.Tensor, torch.Tensor] | LayerAngles, layer: int

@@ -100,7 +100,8 @@ def rotate_qkv_pairs_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n
             v of each token side by side. Pass the projection's own output (``F.linear`` of flattened tokens),
             not a view of it, so that autograd records the change on the tensor itself.
         cos, sin: tables (num_heads | 1, T, head_dim) from :func:`rotary_tables`, one row per token of an image
-            (prefix rows included: they are the identity).
+            (prefix rows included: they are the identity), shared by the images; or (B, num_heads | 1, T, head_dim),
+            each image's own (patch dropout's kept tokens, STRING's RGB-D positions), with qkv holding B * T rows.
         num_heads: heads of the projection.
 
     Returns:
@@ -109,18 +110,20 @@ def rotate_qkv_pairs_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n
     if qkv.dtype != torch.float32:
         raise ValueError(f"qkv must be float32 (the complex product), got {qkv.dtype}")
     head_dim = check_fused_qkv(qkv, num_heads, pairs=True)
+    rows = qkv.numel() // qkv.shape[-1]
     if (
-        cos.ndim != 3
+        cos.ndim not in (3, 4)
         or cos.shape != sin.shape
-        or cos.shape[0] not in (1, num_heads)
+        or cos.shape[-3] not in (1, num_heads)
         or cos.shape[-1] != head_dim
-        or qkv.numel() % (cos.shape[1] * qkv.shape[-1])
+        or (rows % cos.shape[-2] if cos.ndim == 3 else rows != cos.shape[0] * cos.shape[-2])
     ):
         raise ValueError(
-            f"cos and sin must have shape (num_heads | 1, T, head_dim={head_dim}) with T dividing qkv's rows "
-            f"{tuple(qkv.shape[:-1])}, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+            f"cos and sin must have shape (num_heads | 1, T, head_dim={head_dim}) with T dividing qkv's rows, or "
+            f"(B, num_heads | 1, T, head_dim) with B * T rows; qkv has {tuple(qkv.shape[:-1])}, got "
+            f"{tuple(cos.shape)} and {tuple(sin.shape)}"
         )
-    freqs = _complex_table(cos, sin)  # (num_heads | 1, T, head_dim / 2)
+    freqs = _complex_table(cos, sin)  # ([B,] num_heads | 1, T, head_dim / 2)
     return _QKVPairRotation.apply(qkv, freqs, num_heads)
 
 
@@ -155,12 +158,19 @@ def _qk_pairs(qkv: torch.Tensor, num_heads: int, tokens: int) -> torch.Tensor:
     return torch.view_as_complex(_fused_qk(qkv, num_heads, tokens).unflatten(-1, (-1, 2)))
 
 
+def _pair_factor(freqs: torch.Tensor) -> torch.Tensor:
+    """Complex ``freqs`` ([B,] num_heads | 1, T, head_dim / 2) laid out against :func:`_qk_pairs`'s
+    (B, T, 2, heads, head_dim / 2): ([B,] T, 1, num_heads | 1, head_dim / 2)."""
+    return freqs.transpose(-3, -2).unsqueeze(-3)
+
+
 class _QKVPairRotation(torch.autograd.Function):
-    """:func:`rotate_qkv_pairs_`: (num_heads | 1, T, head_dim / 2) complex ``freqs`` broadcast over images, q/k."""
+    """:func:`rotate_qkv_pairs_`: (num_heads | 1, T, head_dim / 2) complex ``freqs`` broadcast over images, or
+    (B, num_heads | 1, T, head_dim / 2), one table per image; broadcast over q and k."""
 
     @staticmethod
     def forward(ctx, qkv: torch.Tensor, freqs: torch.Tensor, num_heads: int) -> torch.Tensor:
-        _qk_pairs(qkv, num_heads, freqs.shape[1]).mul_(freqs.transpose(0, 1).unsqueeze(1))
+        _qk_pairs(qkv, num_heads, freqs.shape[-2]).mul_(_pair_factor(freqs))
         ctx.mark_dirty(qkv)
         ctx.save_for_backward(qkv, freqs)
         ctx.num_heads = num_heads
@@ -170,17 +180,18 @@ class _QKVPairRotation(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         qkv, freqs = ctx.saved_tensors
         grad = grad.contiguous()  # the incoming buffer itself when it is dense (it is rewritten in place)
-        grad_pairs = _qk_pairs(grad, ctx.num_heads, freqs.shape[1])
-        factor = freqs.transpose(0, 1).unsqueeze(1)  # (T, 1, num_heads | 1, head_dim / 2)
+        grad_pairs = _qk_pairs(grad, ctx.num_heads, freqs.shape[-2])
+        factor = _pair_factor(freqs)  # ([B,] T, 1, num_heads | 1, head_dim / 2)
         grad_qkv = grad_freqs = None
         if ctx.needs_input_grad[1]:
-            rotated = _qk_pairs(qkv, ctx.num_heads, freqs.shape[1])
-            # over the images, then q and k: (T, heads, head_dim / 2); the outer reduction first (one complex
-            # reduction over dims (0, 2) runs about 40x slower)
-            total = (grad_pairs * rotated.conj()).sum(0).sum(1)
-            if freqs.shape[0] == 1:  # shared by the heads
-                total = total.sum(1, keepdim=True)
-            grad_freqs = (total / factor.squeeze(1).conj()).transpose(0, 1)
+            rotated = _qk_pairs(qkv, ctx.num_heads, freqs.shape[-2])
+            # over q and k, then the images when they share the table: ([B,] T, heads, head_dim / 2); the outer
+            # reduction first (one complex reduction over dims (0, 2) runs about 40x slower)
+            total = grad_pairs * rotated.conj()
+            total = total.sum(0).sum(1) if freqs.ndim == 3 else total.sum(2)
+            if freqs.shape[-3] == 1:  # shared by the heads
+                total = total.sum(-2, keepdim=True)
+            grad_freqs = (total / factor.squeeze(-3).conj()).transpose(-3, -2)
         if ctx.needs_input_grad[0]:
             grad_pairs.mul_(factor.conj())
             grad_qkv = grad

@@ -204,13 +204,18 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
             out[..., rows, :] = apply_block_rotation(qk[..., rows, :], chunk(start, stop))
         return out
 
-    def apply_qkv_(self, qkv: torch.Tensor, state: LieState, layer: int, num_heads: int) -> torch.Tensor | None:
+    def apply_qkv_(
+        self, qkv: torch.Tensor, state: LieState, layer: int, num_heads: int, keep: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """With autograd in eager mode: q and k rotated in place in the fused projection output
         (:func:`~visionpe.rotary.skew_exp.rotate_qkv_blocks_`), whose backward needs only the rotated vectors.
         Otherwise None: without autograd :meth:`apply` rotates a chunk of tokens at a time, and a compiled or
-        traced graph, or YaRN's multiplier, takes the out-of-place :meth:`apply`."""
+        traced graph, or YaRN's multiplier, takes the out-of-place :meth:`apply`, and patch dropout (``keep``) the
+        full grid (:meth:`~visionpe.base.RotaryPositionEncoding.apply_kept`'s default)."""
         check_layer(layer, self.depth, type(self).__name__)
         coords, num_prefix_tokens, plan, mscale = state
+        if keep is not None:
+            return None
         if not torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing() or mscale != 1.0:
             return None
         chunk, tokens = plan(layer), num_prefix_tokens + len(coords)

@@ -180,11 +180,13 @@ class StringBase(LinearRotary):
             qk = qk @ _layer_basis(basis, layer).to(qk.dtype).transpose(-1, -2)
         return super().apply_kept(qk, rotary, layer, keep)
 
-    def apply_qkv_(self, qkv: torch.Tensor, state, layer: int, num_heads: int) -> torch.Tensor | None:
+    def apply_qkv_(
+        self, qkv: torch.Tensor, state, layer: int, num_heads: int, keep: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         rotary, basis = state
         if basis is not None:  # P not folded into the projection (attention folds it when it can)
             return None
-        return super().apply_qkv_(qkv, rotary, layer, num_heads)
+        return super().apply_qkv_(qkv, rotary, layer, num_heads, keep)
 
     def projection_basis(self, state, layer: int) -> tuple[torch.Tensor, tuple] | None:
         check_layer(layer, self.depth, type(self).__name__)
