@@ -9,6 +9,7 @@ in the same run; timm's own RoPE ViTs (Eva) are printed as reference rows.
     .venv/bin/python bench/throughput.py --schemes rope_axial rope_mixed --rounds 5
     .venv/bin/python bench/throughput.py --malloc retain  # glibc keeps freed memory: no page faults per step
     .venv/bin/python bench/throughput.py --patch-drop 0.5  # every model, the baseline too, with timm's patch dropout
+    .venv/bin/python bench/throughput.py --schemes string_cayley --depth  # and STRING on RGB-D (depth_coords)
 
 ``--malloc retain`` (Linux, glibc) sets M_MMAP_THRESHOLD to its 32 MB maximum and M_TRIM_THRESHOLD beyond any
 heap before the models are built, for every model of the run alike. With the default allocator, freed memory at
@@ -49,9 +50,9 @@ def retain_heap() -> None:
         raise SystemExit("mallopt refused the retained-heap settings")
 
 
-def step_time(model: torch.nn.Module, images: torch.Tensor) -> float:
+def step_time(model: torch.nn.Module, images: torch.Tensor, **inputs: torch.Tensor) -> float:
     start = time.perf_counter()
-    model(images).float().square().mean().backward()
+    model(images, **inputs).float().square().mean().backward()
     model.zero_grad(set_to_none=True)
     return time.perf_counter() - start
 
@@ -66,6 +67,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--malloc", choices=["default", "retain"], default="default", help="see the module notes")
     parser.add_argument("--patch-drop", type=float, default=0.0, help="timm's patch_drop_rate for every model")
+    parser.add_argument(
+        "--depth", action="store_true", help="also STRING with depth_coords=True, called with a random depth map"
+    )
     args = parser.parse_args()
     if not 0 <= args.patch_drop < 1:
         parser.error(f"--patch-drop must be in [0, 1), got {args.patch_drop}")
@@ -84,15 +88,27 @@ def main() -> None:
         label = "+".join(names)
         models[label] = timm.create_model("visionpe_vit_small_patch16_224", pos_embed=names, img_size=args.size, **drop)
     images = torch.randn(args.batch, 3, args.size, args.size)
-    for model in models.values():
+    inputs: dict[str, dict[str, torch.Tensor]] = {}  # extra forward arguments per model
+    if args.depth:
+        for name in ("string_cayley", "string_circulant"):
+            label = f"{name} (RGB-D, depth_coords)"
+            models[label] = timm.create_model(
+                "visionpe_vit_small_patch16_224",
+                pos_embed=name,
+                pos_embed_kwargs={"depth_coords": True},
+                img_size=args.size,
+                **drop,
+            )
+            inputs[label] = {"depth": torch.rand(args.batch, 1, args.size, args.size) * 5}
+    for label, model in models.items():
         model.train()
         for _ in range(args.warmup):
-            step_time(model, images)
+            step_time(model, images, **inputs.get(label, {}))
 
     times: dict[str, list[float]] = {label: [] for label in models}
     for _ in range(args.rounds):
         for label, model in models.items():
-            times[label].append(step_time(model, images))
+            times[label].append(step_time(model, images, **inputs.get(label, {})))
 
     base = statistics.median(next(iter(times.values())))
     print(
