@@ -182,3 +182,11 @@ def test_bad_depth_construction():
         scheme.depth_positions(scheme.coords((3, 5)), torch.rand(2, 14))
     with pytest.raises(ValueError, match="was built without depth_coords=True"):
         StringCayley(64, 2).depth_positions(torch.zeros(15, 2), torch.rand(2, 15))
+
+
+def test_depth_model_compiles_to_one_graph():
+    # fullgraph: the depth checks that read values (finiteness) are eager-only, the pooling and tables traceable
+    model = _model("string_cayley").eval()
+    x, depth = torch.randn(2, 3, 48, 80), _depth()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, depth=depth), model(x, depth=depth), atol=1e-5, rtol=1e-5)

@@ -133,7 +133,8 @@ class StringBase(LinearRotary):
                 f"patch_depth must be a floating-point (B, N={coords.shape[0]}) tensor of mean patch depths, got "
                 f"{tuple(patch_depth.shape)} {patch_depth.dtype}"
             )
-        if not bool(torch.isfinite(patch_depth).all()):
+        # (a data-dependent check: eager only, so that a compiled model keeps one graph)
+        if not torch.compiler.is_compiling() and not bool(torch.isfinite(patch_depth).all()):
             raise ValueError("patch_depth must be finite (fill missing depth before the model)")
         with torch.autocast(patch_depth.device.type, enabled=False):  # positions stay fp32
             z = self.depth_proj(patch_depth.float().unsqueeze(-1))
