@@ -359,7 +359,7 @@ class VisionPEViT(VisionTransformer):
         alone with ``intermediates_only``; with ``return_prefix_tokens`` (and prefix tokens in the model) each
         feature is (spatial, prefix). With ``output_dict`` a dict: ``image_intermediates``, plus
         ``image_intermediates_prefix`` (with ``return_prefix_tokens``) and ``image_features`` (unless
-        ``intermediates_only``).
+        ``intermediates_only``). ``depth``: as :meth:`forward_features` (STRING's RGB-D positions), after timm's.
         """
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")

@@ -165,13 +165,16 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
         if cos.ndim == 3:  # (num_heads | 1, T, head_dim): the rows of each sample's kept tokens
             return tuple(table[:, keep].transpose(0, 1) for table in (cos, sin))
         # per-sample tables (B, num_heads | 1, T, head_dim)
+        if len(cos) != len(keep):
+            raise ValueError(f"keep has {len(keep)} samples but the per-sample tables have {len(cos)}")
         index = keep[:, None, :, None].expand(-1, cos.shape[1], -1, cos.shape[-1])
         return cos.gather(2, index), sin.gather(2, index)
 
     def layer_tables(
         self, state: tuple[torch.Tensor, torch.Tensor] | LayerAngles, layer: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (num_heads | 1, P + N, head_dim) of block ``layer`` from a ``prepare`` state."""
+        """cos/sin (num_heads | 1, P + N, head_dim) of block ``layer`` from a ``prepare`` state
+        ((B, num_heads | 1, P + N, head_dim) for per-sample positions)."""
         check_layer(layer, self.depth, type(self).__name__)
         if isinstance(state, LayerAngles):
             freqs = state.freqs[layer if state.freqs.shape[0] > 1 else 0]
