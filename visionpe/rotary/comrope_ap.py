@@ -64,7 +64,8 @@ def distinct_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class ComRoPEBase(LieBlockRotary):
-    """Common ComRoPE options; subclasses build the commuting generators."""
+    """Common ComRoPE options and constructor (arguments: :class:`ComRoPEAP`); subclasses build the commuting
+    generators from the blocks P in :meth:`init_generators`."""
 
     _scales_own_coords = True
     supported_extrapolation = EXTRAPOLATION_MODES  # the blocks' eigenfrequencies (axis_skew_blocks)
@@ -76,14 +77,14 @@ class ComRoPEBase(LieBlockRotary):
         self,
         dim: int,
         num_heads: int,
-        depth: int,
-        block_size: int,
-        ndim: int,
-        init_std: float,
-        pos_norm: str,
-        rotate_prefix: bool,
-        grid_size: Sequence[int] | None,
-        extrapolation: str,
+        depth: int = 1,
+        block_size: int = 8,
+        ndim: int = 2,
+        init_std: float = 1.0,
+        pos_norm: str = "test_grid",
+        rotate_prefix: bool = True,
+        grid_size: Sequence[int] | None = None,
+        extrapolation: str = "none",
         jitter_std: float = 0.0,
         offset_std: float = 0.0,
     ) -> None:
@@ -104,6 +105,11 @@ class ComRoPEBase(LieBlockRotary):
         self.jitter_std, self.offset_std = float(jitter_std), float(offset_std)
         self.coord_mode = "normalized"
         self.blocks = nn.Parameter(torch.randn(depth, num_heads, self.num_blocks, block_size, block_size) * init_std)
+        self.init_generators()
+
+    def init_generators(self) -> None:
+        """The variant's own parameters and buffers, after the common ones (called by the constructor)."""
+        raise NotImplementedError(f"{type(self).__name__} must define init_generators()")
 
     def extrapolation_refusal(self, mode: str, train_grid_size: tuple[int, ...] | None = None) -> str | None:
         if mode != "none" and self.pos_norm == "test_grid":
@@ -258,39 +264,12 @@ class ComRoPEAP(ComRoPEBase):
             0 (default) turns it off. Both are finite non-negative numbers (:meth:`augment`).
     """
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        depth: int = 1,
-        block_size: int = 8,
-        ndim: int = 2,
-        init_std: float = 1.0,
-        pos_norm: str = "test_grid",
-        rotate_prefix: bool = True,
-        grid_size: Sequence[int] | None = None,
-        extrapolation: str = "none",
-        jitter_std: float = 0.0,
-        offset_std: float = 0.0,
-    ) -> None:
-        super().__init__(
-            dim,
-            num_heads,
-            depth,
-            block_size,
-            ndim,
-            init_std,
-            pos_norm,
-            rotate_prefix,
-            grid_size,
-            extrapolation,
-            jitter_std,
-            offset_std,
-        )
+    def init_generators(self) -> None:
+        ndim = self.ndim
         if self.num_blocks < ndim:  # block j belongs to axis j mod ndim: every axis needs one
             raise ValueError(
                 f"block_size must leave head_dim // block_size >= ndim blocks (one per axis), got block_size="
-                f"{block_size} with head_dim={self.head_dim}, ndim={ndim}"
+                f"{self.block_size} with head_dim={self.head_dim}, ndim={ndim}"
             )
         axis = torch.arange(self.num_blocks) % ndim
         self.register_buffer("axis_mask", (axis.unsqueeze(1) == torch.arange(ndim)).float(), persistent=False)

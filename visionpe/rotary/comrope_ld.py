@@ -46,36 +46,8 @@ class ComRoPELD(ComRoPEBase):
             only and are off by default).
     """
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        depth: int = 1,
-        block_size: int = 8,
-        ndim: int = 2,
-        init_std: float = 1.0,
-        pos_norm: str = "test_grid",
-        rotate_prefix: bool = True,
-        grid_size: Sequence[int] | None = None,
-        extrapolation: str = "none",
-        jitter_std: float = 0.0,
-        offset_std: float = 0.0,
-    ) -> None:
-        super().__init__(
-            dim,
-            num_heads,
-            depth,
-            block_size,
-            ndim,
-            init_std,
-            pos_norm,
-            rotate_prefix,
-            grid_size,
-            extrapolation,
-            jitter_std,
-            offset_std,
-        )
-        self.multipliers = nn.Parameter(torch.randn(depth, self.num_blocks, ndim))
+    def init_generators(self) -> None:
+        self.multipliers = nn.Parameter(torch.randn(self.depth, self.num_blocks, self.ndim))
 
     def generators(self, layer: int) -> torch.Tensor:
         theta = self.multipliers[layer if self.multipliers.shape[0] > 1 else 0]  # (m, ndim)
