@@ -107,9 +107,9 @@ class ComRoPEBase(LieBlockRotary):
         self.blocks = nn.Parameter(torch.randn(depth, num_heads, self.num_blocks, block_size, block_size) * init_std)
         self.init_generators()
 
+    @abstractmethod
     def init_generators(self) -> None:
         """The variant's own parameters and buffers, after the common ones (called by the constructor)."""
-        raise NotImplementedError(f"{type(self).__name__} must define init_generators()")
 
     def extrapolation_refusal(self, mode: str, train_grid_size: tuple[int, ...] | None = None) -> str | None:
         if mode != "none" and self.pos_norm == "test_grid":
