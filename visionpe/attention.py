@@ -8,10 +8,11 @@ explicit path.
 
 With patch dropout (timm's ``patch_drop_rate``) each sample keeps its own subset of patches; the context then
 holds ``keep``, the kept tokens' indices in the full sequence (SCHEMES.md section 0: positions, rotations and
-biases are gathered with the kept indices). Rotary schemes rotate the kept q and k placed back on the full grid
-(dropped rows zero) and gather them again, bias schemes build the full grid's bias (from q and k placed back
-likewise) and gather the kept rows and columns, so every scheme takes patch dropout with the same rotations and
-biases as the full grid and no per-scheme code.
+biases are gathered with the kept indices). Rotary schemes with cos/sin tables (RoPE, STRING) rotate the kept q
+and k by the kept rows of their tables (``apply_kept``, or in place: ``apply_qkv_(..., keep)``); the others rotate
+them placed back on the full grid (dropped rows zero) and gather them again. Bias schemes build the full grid's
+bias (from q and k placed back likewise) and gather the kept rows and columns. Every scheme thus takes patch
+dropout with the same rotations and biases as the full grid.
 
 A dense bias is (B, heads, N, N): 400 MB in fp32 for ViT-S at 1024 px (N = 4097), per block. When it would
 exceed ``PosAttention.bias_chunk_bytes``, attention runs in chunks of query rows: each scheme builds the bias of
