@@ -92,7 +92,7 @@ def check_rotate_input(scheme: nn.Module, x: torch.Tensor, coords: torch.Tensor,
     if x.ndim != 4 or (heads and (x.shape[1], x.shape[3]) != (heads, head_dim)) or x.shape[0] == 0:
         raise ValueError(f"x must be a non-empty {expected} tensor for {name}, got shape {tuple(x.shape)}")
     check_layer(layer, getattr(scheme, "depth", None), name)
-    coords = check_coords(coords, getattr(scheme, "coord_ndims", scheme.ndims), name)
+    coords = check_coords(coords, scheme.coord_ndims, name)
     if coords.shape[0] != x.shape[2]:
         raise ValueError(f"coords has {coords.shape[0]} rows but x has {x.shape[2]} tokens (dim 2)")
     return coords.to(x.device)
@@ -104,6 +104,11 @@ class PositionEncoding(nn.Module):
     kind: ClassVar[str] = ""
     ndims: ClassVar[tuple[int, ...]] = (2,)
     coord_mode: str = "index"
+
+    @property
+    def coord_ndims(self) -> tuple[int, ...]:
+        """Columns of the coordinates ``rotate`` takes: the grid's ranks (STRING with depth adds one)."""
+        return tuple(self.ndims)
 
     def check_grid(self, grid_size: tuple[int, ...]) -> tuple[int, ...]:
         grid_size = validate_grid_size(grid_size)

@@ -46,12 +46,19 @@ def _layer_basis(basis: torch.Tensor, layer: int) -> torch.Tensor:
     return basis[layer] if basis.shape[0] > 1 else basis[0]
 
 
+def _times_basis(x: torch.Tensor, basis: torch.Tensor, layer: int) -> torch.Tensor:
+    """P x for every token of ``x`` (..., head_dim), with P of block ``layer`` (:func:`_layer_basis`)."""
+    return x @ _layer_basis(basis, layer).to(x.dtype).transpose(-1, -2)
+
+
 class StringBase(LinearRotary):
     """STRING as RoPE(r) times a fixed-per-forward orthogonal basis change ``string_basis()``.
 
     ``apply`` returns RoPE(r) P x for every token (prefix tokens get P only); once :func:`fold_string_` has
     moved P into the q/k projections, ``apply`` is plain RoPE. ``rotate`` always returns R(r) x.
     """
+
+    depth_coords: bool = False  # set by the constructor (read while LinearRotary's sets up extrapolation)
 
     def __init__(
         self,
@@ -103,11 +110,11 @@ class StringBase(LinearRotary):
 
     @property
     def coord_ndims(self) -> tuple[int, ...]:
-        """Columns of the positions ``rotate`` takes: (z, y, x) with ``depth_coords``."""
+        """Columns of the positions ``rotate`` takes: (z, y, x) with ``depth_coords``, one more than the grid's."""
         return (self.ndim,)
 
     def extrapolation_refusal(self, mode: str, train_grid_size: tuple[int, ...] | None = None) -> str | None:
-        if getattr(self, "depth_coords", False) and mode != "none":
+        if self.depth_coords and mode != "none":
             name = type(self).__name__
             return f"{name} with depth_coords=True has no extrapolation mode (its z is learned), got {mode!r}"
         return super().extrapolation_refusal(mode, train_grid_size)
@@ -170,15 +177,14 @@ class StringBase(LinearRotary):
         check_layer(layer, self.depth, type(self).__name__)
         rotary, basis = state
         if basis is not None:
-            basis = _layer_basis(basis, layer)
-            qk = qk @ basis.to(qk.dtype).transpose(-1, -2)
+            qk = _times_basis(qk, basis, layer)
         return super().apply(qk, rotary, layer)
 
     def apply_kept(self, qk: torch.Tensor, state, layer: int, keep: torch.Tensor) -> torch.Tensor:
         check_layer(layer, self.depth, type(self).__name__)
         rotary, basis = state  # P acts on each token alone: applied to the kept tokens, then their RoPE rows
         if basis is not None:
-            qk = qk @ _layer_basis(basis, layer).to(qk.dtype).transpose(-1, -2)
+            qk = _times_basis(qk, basis, layer)
         return super().apply_kept(qk, rotary, layer, keep)
 
     def apply_qkv_(
@@ -203,8 +209,7 @@ class StringBase(LinearRotary):
         :meth:`~visionpe.base.RotaryPositionEncoding.rotate` (the grid the extrapolation mode scales against)."""
         coords = check_rotate_input(self, x, coords, layer)
         rotary = LinearRotary.prepare(self, coords, 0, grid_size=self.rotation_grid_size(coords, grid_size))
-        basis = _layer_basis(self.string_basis(), layer)
-        out = LinearRotary.apply(self, x @ basis.to(x.dtype).transpose(-1, -2), rotary, layer)
+        out = LinearRotary.apply(self, _times_basis(x, self.string_basis(), layer), rotary, layer)
         out_basis = self.rotation_output_basis()
         return out if out_basis is None else out @ out_basis.to(x.dtype)
 
