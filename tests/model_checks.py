@@ -21,3 +21,10 @@ def check_forward_backward(name: str, size: tuple[int, int]) -> None:
             if param.requires_grad:
                 assert param.grad is not None and torch.isfinite(param.grad).all(), pname
                 assert param.grad.abs().sum() > 0, pname
+
+
+def random_keep(batch: int = 3, num_patches: int = 15, count: int = 7) -> torch.Tensor:
+    """Patch dropout's kept-token indices (batch, 1 + count) into a sequence of one prefix token and
+    ``num_patches`` patches: the prefix, then ``count`` patches drawn per sample from the global RNG."""
+    rows = [torch.cat((torch.zeros(1), torch.randperm(num_patches)[:count] + 1)) for _ in range(batch)]
+    return torch.stack(rows).long()

@@ -11,6 +11,8 @@ import torch
 
 import visionpe  # noqa: F401 - registers the visionpe_vit_* models with timm
 
+from ..model_checks import random_keep
+
 SMALL = dict(embed_dim=64, depth=2, num_heads=2, num_classes=5, img_size=(48, 80))
 SCHEMES = [
     "rope_axial",
@@ -102,7 +104,7 @@ def test_table_schemes_rotate_the_kept_tokens_from_gathered_tables(name):
         for param in scheme.parameters():
             param.add_(0.1 * torch.randn_like(param))
     state = scheme.prepare(scheme.coords((3, 5)), num_prefix_tokens=1)
-    keep = torch.stack([torch.cat((torch.zeros(1), torch.randperm(15)[:7] + 1)).long() for _ in range(3)])
+    keep = random_keep()
     qk = torch.randn(2, 3, 2, 8, 32, requires_grad=True)
     for layer in (0, 1):
         fast = scheme.apply_kept(qk, state, layer, keep)

@@ -13,6 +13,8 @@ from visionpe.rotary.lie_base import LieBlockRotary
 from visionpe.rotary.liere import LieRE
 from visionpe.rotary.skew_exp import apply_block_rotation, rotate_qkv_blocks_, skew_from_params
 
+from ..model_checks import random_keep
+
 LIE_SCHEMES = ["liere", "comrope_ap", "comrope_ld"]
 LINEAR_SCHEMES = ["rope_axial", "rope_mixed", "string_cayley", "string_circulant"]
 
@@ -275,7 +277,7 @@ def test_linear_scheme_apply_qkv_with_kept_tokens_equals_apply_kept(name):
     with torch.no_grad():
         for param in scheme.parameters():
             param.add_(0.1 * torch.randn_like(param))
-    keep = torch.stack([torch.cat((torch.zeros(1), torch.randperm(15)[:7] + 1)).long() for _ in range(3)])
+    keep = random_keep()
     qkv = torch.randn(3 * 8, 3 * 64, requires_grad=True)
     weights = torch.randn(3, 8, 3 * 64)
 

@@ -8,6 +8,8 @@ import visionpe
 from visionpe.rotary.string_cayley import StringCayley
 from visionpe.rotary.string_circulant import StringCirculant
 
+from ..model_checks import random_keep
+
 NAMES = ["string_cayley", "string_circulant"]
 SMALL = dict(img_size=(48, 80), embed_dim=64, depth=2, num_heads=2, num_classes=5)
 
@@ -130,7 +132,7 @@ def test_patch_dropout_with_depth_gathers_each_samples_tables():
     scheme = StringCayley(64, 2, depth=2, depth_coords=True)
     pos = scheme.depth_positions(scheme.coords((3, 5)), torch.rand(3, 15) * 4)
     state = scheme.prepare(pos, num_prefix_tokens=1)
-    keep = torch.stack([torch.cat((torch.zeros(1), torch.randperm(15)[:7] + 1)).long() for _ in range(3)])
+    keep = random_keep()
     qk = torch.randn(2, 3, 2, 8, 32)
     fast = scheme.apply_kept(qk, state, 1, keep)
     slow = gather_tokens(scheme.apply(scatter_tokens(qk, keep, 16), state, 1), keep)
