@@ -13,6 +13,6 @@ else
     PYTHON=.venv/bin/python
 fi
 status=0
-timeout 90 "$PYTHON" bench/gpu_checks.py || status=$?  # the benchmark still runs; its status is kept
+timeout 150 "$PYTHON" bench/gpu_checks.py || status=$?  # the benchmark still runs; its status is kept
 timeout 480 "$PYTHON" bench/gpu_smoke.py "$@"
 exit "$status"
