@@ -1,3 +1,5 @@
+import functools
+import itertools
 import math
 
 import pytest
@@ -70,6 +72,43 @@ def test_exponential_equals_matrix_exp():
     small = linear_skew_expm(gen * 1e-3, coords)  # within the series' range: no squaring
     expected = torch.linalg.matrix_exp(torch.einsum("na,gaij->ngij", coords.double(), 1e-3 * gen.double()).contiguous())
     assert torch.allclose(small.double(), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_word_table_sums_the_words_and_its_gradient_checks(ndim):
+    # W_alpha / |alpha|! is the sum of all products of |alpha| letters with letter counts alpha, over |alpha|!:
+    # enumerated word by word up to degree 5 (3^5 words for 3 axes), against the table's recursion
+    gen = skew_from_params(torch.randn(2, ndim, 3, dtype=torch.float64), 3)
+    table = skew_exp._word_table(gen)
+    levels, _ = skew_exp._monomials(ndim)
+    offset = 0
+    for degree, level in enumerate(levels[:6]):
+        for i, alpha in enumerate(level):
+            words = [
+                w
+                for w in itertools.product(range(ndim), repeat=degree)
+                if all(w.count(a) == n for a, n in enumerate(alpha))
+            ]
+            total = sum(
+                functools.reduce(torch.matmul, [gen[:, a] for a in w], torch.eye(3, dtype=gen.dtype).expand(2, 3, 3))
+                for w in words
+            )
+            torch.testing.assert_close(table[:, offset + i], total / math.factorial(degree), rtol=1e-12, atol=1e-12)
+        offset += len(level)
+    assert table.shape[1] == sum(len(level) for level in levels) == math.comb(skew_exp._ORDER + ndim, ndim)
+    assert torch.autograd.gradcheck(skew_exp._word_table, (gen.clone().requires_grad_(),))
+
+
+def test_exponential_gradient_equals_matrix_exp_gradient():
+    # the word table's, the series' and the squarings' backward together, against autograd through matrix_exp
+    raw = (torch.rand(2, 3, 2, 28, dtype=torch.float64) * 2 * math.pi / 5).requires_grad_()
+    coords = grid_coords((4, 6)).double()
+    weight = torch.randn(2, len(coords), 3, 8, 8, dtype=torch.float64)
+    (block_skew_expm(skew_from_params(raw, 8), coords, torch.float64).double() * weight).sum().backward()
+    grad, raw.grad = raw.grad, None
+    exponent = torch.einsum("na,hmaij->hnmij", coords, skew_from_params(raw, 8)).contiguous()
+    (torch.linalg.matrix_exp(exponent) * weight).sum().backward()
+    torch.testing.assert_close(grad, raw.grad, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
