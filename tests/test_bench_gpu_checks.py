@@ -23,6 +23,8 @@ def test_dry_run_on_cpu(checks):
     assert passed and "at 64 px" in detail
     passed, _ = checks.check_scheme("irpe", "cpu", 32, 0.0, tol=1e-9)  # bf16 is not within 1e-9 of fp32
     assert not passed
+    # the memory rows run the forward off CUDA too, with no number to report
+    assert checks.forward_memory_mb("visionpe_vit_small_patch16_224", "lookhere", "cpu", 32) is None
 
 
 def test_refuses_cuda_without_a_device(checks, monkeypatch):
