@@ -158,9 +158,9 @@ def _word_table(generators: torch.Tensor) -> torch.Tensor:
     A word of degree k is a word of degree k - 1 times its last letter A_a, so right-multiplying all the words of a
     degree by every A_a at once is one (T_{k-1} b x b) @ (b x ndim b) bmm per block, whose products are summed
     into the words of degree k by constant slices (:func:`_build_monomials`' runs). :class:`_WordTable` writes
-    every degree into one preallocated table and has its own backward (the same recursion run down): in LieRE's
-    ViT-S (576 blocks, 91 words) about a third of the time autograd took through out-of-place index adds and a
-    concatenation.
+    every degree into one preallocated table and has its own backward (the same recursion run down): for LieRE's
+    ViT-S (all layers: 576 blocks, 91 words) forward and backward take about half the time autograd took through
+    out-of-place index adds, zero-filled tensors and a concatenation.
     """
     return _WordTable.apply(generators)
 
@@ -200,8 +200,10 @@ class _WordTable(torch.autograd.Function):
         _, runs = _monomials(ndim)
         letters_t = letters.transpose(1, 2).contiguous()
         grad_letters = torch.zeros_like(letters)
-        grad_word = grad[:, starts[-2] :]  # of the words of the top degree; below, theirs plus what the degree
-        for k in range(len(starts) - 2, 0, -1):  # above passes down (``grad`` itself is only read)
+        # the gradient of the words of degree k: the incoming one for the top degree; below, the incoming one plus
+        # what the degree above passes down (a new tensor per degree: ``grad`` itself is only read)
+        grad_word = grad[:, starts[-2] :]
+        for k in range(len(starts) - 2, 0, -1):
             count = starts[k] - starts[k - 1]
             grad_prod = grad.new_empty(num_blocks, count, b, ndim, b)
             for axis, axis_runs in enumerate(runs[k]):
