@@ -13,7 +13,7 @@ slot's dtype after every add). Each check compares a bf16 run with the fp32 run 
   it on CPU). The memory rows are printed, not judged: the benchmark's target is the CPU table in the README.
 
     .venv/bin/python bench/gpu_checks.py                      # on cuda
-    .venv/bin/python bench/gpu_checks.py --device cpu --size 64 --schemes rope_axial irpe   # a dry run
+    .venv/bin/python bench/gpu_checks.py --device cpu --size 64 --value-size 64 --memory-size 64   # a dry run
 
 Exits with status 1 when a check fails, after printing every result.
 """
@@ -122,7 +122,7 @@ def main() -> None:
         size = args.memory_size
         base = forward_memory_mb("vit_small_patch16_224", None, args.device, size)
         print(f"\n| forward at {size} px, batch 1, bf16 | peak MB | ratio to timm |\n|---|---|---|")
-        print(f"| timm vit_small_patch16_224 | {base if base is None else f'{base:.0f}'} | 1.00x |")
+        print(f"| timm vit_small_patch16_224 | {base if base is None else f'{base:.0f}'} | {'1.00x' if base else 'n/a'} |")
         for name in args.schemes or visionpe.list_schemes():
             mb = forward_memory_mb("visionpe_vit_small_patch16_224", name, args.device, size)
             ratio = "n/a" if mb is None or not base else f"{mb / base:.2f}x"

@@ -119,7 +119,7 @@ def _build_monomials(ndim: int, order: int) -> _Monomials:
     Every word of degree k - 1 followed by any letter is a word of degree k, so each axis's runs cover all
     indices of degree k - 1 once. Plain tuples of ints, so that the word table slices with constants (no
     ``nonzero`` or index tensor for torch.compile to trace); built once at import for 1, 2 and 3 axes
-    (:data:`_MONOMIALS`): one run per axis for 1 and 2 axes, k per axis for 3.
+    (:data:`_MONOMIALS`): one run per axis for 1 and 2 axes; for 3, one for the first axis and k for each other.
     """
     levels: list[list[tuple[int, ...]]] = [[(0,) * ndim]]
     runs: list[list[list[tuple[int, int, int]]]] = [[]]
