@@ -102,8 +102,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("no CUDA device; pass --device cpu for a dry run")
+    schemes = args.schemes or visionpe.list_schemes()
     rows, ok = [], True
-    for name in args.schemes or visionpe.list_schemes():
+    for name in schemes:
         for drop in (0.0, 0.5):
             if drop and name == "cpe":  # its conv between blocks needs every patch (refused, as documented)
                 continue
@@ -128,7 +129,7 @@ def main() -> None:
             print(f"| {label} | {'n/a' if mb is None else f'{mb:.0f}'} | {ratio} |", flush=True)
 
         row("timm vit_small_patch16_224", base)
-        for name in args.schemes or visionpe.list_schemes():
+        for name in schemes:
             row(name, forward_memory_mb("visionpe_vit_small_patch16_224", name, args.device, size))
     raise SystemExit(0 if ok else 1)
 
