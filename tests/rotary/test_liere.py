@@ -3,6 +3,7 @@ import itertools
 import math
 
 import pytest
+import timm
 import torch
 
 import visionpe
@@ -336,6 +337,50 @@ def test_layer_plan_equals_per_layer_exponentials():
         assert torch.allclose(build(layer, 7, 19), block_skew_expm(gen[layer], coords)[:, 7:19], atol=1e-6)
     with pytest.raises(ValueError, match=r"generators must have shape \(L, H, M, ndim, b, b\)"):
         block_skew_expm_layers(gen[0], coords)
+
+
+def test_layer_plan_reads_every_squaring_count_at_once(monkeypatch):
+    # one device-to-host read per plan (a GPU waits for its queue at each), with each layer's own count
+    gen = skew_from_params(torch.rand(3, 2, 4, 2, 6) * torch.tensor([0.1, 1.0, 4.0]).view(3, 1, 1, 1, 1), 4)
+    coords = grid_coords((5, 6))
+    reads, counts_of = [], skew_exp._eager_squaring_counts
+    monkeypatch.setattr(skew_exp, "_eager_squaring_counts", lambda norm2: reads.append(counts_of(norm2)) or reads[-1])
+    build = block_skew_expm_layers(gen, coords, torch.float64)
+    for layer in range(3):
+        build(layer, 0, 30)
+    assert len(reads) == 1 and len(set(reads[0])) == 3, reads  # one read; three different counts
+    assert skew_exp._eager_squaring_counts(torch.zeros(2, 0)) == [0, 0]
+
+
+@pytest.mark.parametrize("name", ["liere", "comrope_ap", "comrope_ld"])
+def test_gpu_squaring_path_matches_cpu_path(monkeypatch, name):
+    # devices outside _TOKEN_LAST_DEVICES (CUDA) square with one bmm per squaring and rotate with the built
+    # rotations; a training step there gives the CPU path's logits and gradients
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "visionpe_vit_small_patch16_224",
+        pos_embed=name,
+        img_size=64,
+        depth=2,
+        pos_embed_kwargs={"init_scale": 3.0} if name == "liere" else None,
+    )
+    images = torch.randn(2, 3, 64, 64)
+    monkeypatch.setattr(skew_exp, "_TOKEN_LAST_MIN_STACK", 0)  # this small grid's stacks too
+    squared, tokens_last = [], skew_exp._squared
+    monkeypatch.setattr(skew_exp, "_squared", lambda rot, count: squared.append(count) or tokens_last(rot, count))
+    results = []
+    for devices in (("cpu",), ()):
+        monkeypatch.setattr(skew_exp, "_TOKEN_LAST_DEVICES", devices)
+        squared.clear()
+        model.zero_grad()
+        logits = model(images)
+        logits.square().mean().backward()
+        results.append((logits, [p.grad.clone() for p in model.pos_schemes.parameters()]))
+        assert (max(squared, default=0) > 0) == bool(devices), squared  # tokens-last squarings on CPU only
+    (cpu, cpu_grads), (gpu, gpu_grads) = results
+    torch.testing.assert_close(gpu, cpu, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(gpu_grads, cpu_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
 
 
 def test_dense_blocks_match_matrix_exp():

@@ -287,12 +287,18 @@ def block_skew_expm_layers(
             gram = torch.einsum("gaij,gcij->gac", gen, gen)
             norm2 = torch.einsum("na,gac,nc->gn", coords, gram, coords).reshape(layers, -1)
             del gram
+        # every layer's count read at once: one device-to-host read per forward instead of one per layer (on a
+        # GPU each read waits for the queue to drain). Per layer under torch.compile (the count of its own layer
+        # only, see _squaring_count) and torch.export (counts computed in the graph).
+        compiling = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+        counts = None if compiling else _eager_squaring_counts(norm2)
 
         table = _word_table(gen)  # (L H M, T, b, b)
         # token-last squarings pay off for large stacks of small blocks; small stacks (ComRoPE's per-value
         # exponentials) are cheaper as one bmm per squaring than as b multiply-adds
         token_last = (
             not torch.compiler.is_exporting()
+            and device_type in _TOKEN_LAST_DEVICES
             and b <= _TOKEN_LAST_MAX_BLOCK
             and heads * blocks * len(coords) >= _TOKEN_LAST_MIN_STACK
         )
@@ -309,8 +315,9 @@ def block_skew_expm_layers(
 
     def series(layer: int, start: int, stop: int) -> tuple[torch.Tensor, int | torch.Tensor]:
         """(the polynomial of the scaled exponents of tokens [start, stop), the layer's squaring count)."""
-        # read per layer (not all layers at once), so that a compiled graph depends on its own layer's count only
-        tokens, squarings = stop - start, _squaring_count(norm2[layer])
+        # under compile read per layer, so that a compiled graph depends on its own layer's count only
+        tokens = stop - start
+        squarings = counts[layer] if counts is not None else _squaring_count(norm2[layer])
         powers = (coords[start:stop] / 2**squarings).unsqueeze(-1) ** degrees  # (n, ndim, K + 1)
         monomials = powers.gather(2, exponents.T.unsqueeze(0).expand(tokens, -1, -1)).prod(1) * scale  # (n, T)
         if token_last:
@@ -350,6 +357,9 @@ def block_skew_expm_layers(
 
 _TOKEN_LAST_MAX_BLOCK = 16  # block sizes squared tokens-last (elementwise over the tokens); larger blocks use bmm
 _TOKEN_LAST_MIN_STACK = 2048  # and only stacks of at least this many matrices per layer
+# and only on these devices: on CPU b multiply-adds beat bmm's per-matrix gemm calls; on a GPU one batched gemm
+# per squaring is one kernel launch instead of b (H200, bf16 ViT-S training: see the README's GPU section)
+_TOKEN_LAST_DEVICES = ("cpu",)
 
 
 def _token_last_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -466,6 +476,14 @@ def _squaring_count(norm2: torch.Tensor) -> int | torch.Tensor:
         rho = (norm2.max().clamp(min=0) / 2).sqrt()
         return torch.ceil(torch.log2(rho / _THETA)).clamp(0, MAX_EXPORT_SQUARINGS)
     return _eager_squaring_count(norm2)
+
+
+@torch.compiler.disable
+def _eager_squaring_counts(norm2: torch.Tensor) -> list[int]:
+    """:func:`_eager_squaring_count` of every layer of (L, n) squared norms, from one device-to-host copy."""
+    if not norm2.shape[-1]:
+        return [0] * len(norm2)
+    return [_eager_squaring_count(row) for row in norm2.amax(-1, keepdim=True).cpu()]
 
 
 @torch.compiler.disable
