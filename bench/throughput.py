@@ -10,6 +10,7 @@ in the same run; timm's own RoPE ViTs (Eva) are printed as reference rows.
     .venv/bin/python bench/throughput.py --malloc retain  # glibc keeps freed memory: no page faults per step
     .venv/bin/python bench/throughput.py --patch-drop 0.5  # every model, the baseline too, with timm's patch dropout
     .venv/bin/python bench/throughput.py --schemes string_cayley --depth  # and STRING on RGB-D (depth_coords)
+    python3 bench/throughput.py --device cuda --precision bf16 --batch 128 --steps 5   # on a GPU
 
 ``--malloc retain`` (Linux, glibc) sets M_MMAP_THRESHOLD to its 32 MB maximum and M_TRIM_THRESHOLD beyond any
 heap before the models are built, for every model of the run alike. With the default allocator, freed memory at
@@ -50,11 +51,22 @@ def retain_heap() -> None:
         raise SystemExit("mallopt refused the retained-heap settings")
 
 
-def step_time(model: torch.nn.Module, images: torch.Tensor, **inputs: torch.Tensor) -> float:
+def step_time(
+    model: torch.nn.Module, images: torch.Tensor, precision: str = "fp32", steps: int = 1, **inputs: torch.Tensor
+) -> float:
+    """Seconds per forward + backward, the mean of ``steps`` steps (CUDA synchronised before and after)."""
+    device = images.device.type
+    if device == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
-    model(images, **inputs).float().square().mean().backward()
-    model.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    for _ in range(steps):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            out = model(images, **inputs)
+        out.float().square().mean().backward()
+        model.zero_grad(set_to_none=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
 
 
 def main() -> None:
@@ -65,6 +77,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU run (e.g. --batch 128 --steps 5)")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast")
+    parser.add_argument("--steps", type=int, default=1, help="steps per timed measurement (mean)")
     parser.add_argument("--malloc", choices=["default", "retain"], default="default", help="see the module notes")
     parser.add_argument("--patch-drop", type=float, default=0.0, help="timm's patch_drop_rate for every model")
     parser.add_argument(
@@ -81,13 +96,16 @@ def main() -> None:
 
     schemes = [[s] for s in args.schemes] if args.schemes else [[s] for s in visionpe.list_schemes()] + COMBOS
     drop = {"patch_drop_rate": args.patch_drop} if args.patch_drop else {}
-    models = {"timm vit_small_patch16_224 (baseline)": timm.create_model("vit_small_patch16_224", **drop)}
+    baseline = timm.create_model("vit_small_patch16_224", img_size=args.size, **drop)
+    models = {"timm vit_small_patch16_224 (baseline)": baseline}
     for ref in REFERENCES:
         models[f"timm {ref} (reference)"] = timm.create_model(ref, img_size=args.size, **drop)
     for names in schemes:
         label = "+".join(names)
         models[label] = timm.create_model("visionpe_vit_small_patch16_224", pos_embed=names, img_size=args.size, **drop)
-    images = torch.randn(args.batch, 3, args.size, args.size)
+    for model in models.values():
+        model.to(args.device)
+    images = torch.randn(args.batch, 3, args.size, args.size, device=args.device)
     inputs: dict[str, dict[str, torch.Tensor]] = {}  # extra forward arguments per model
     if args.depth:
         for name in ("string_cayley", "string_circulant"):
@@ -99,21 +117,24 @@ def main() -> None:
                 img_size=args.size,
                 **drop,
             )
-            inputs[label] = {"depth": torch.rand(args.batch, 1, args.size, args.size) * 5}
+            models[label].to(args.device)
+            inputs[label] = {"depth": torch.rand(args.batch, 1, args.size, args.size, device=args.device) * 5}
     for label, model in models.items():
         model.train()
         for _ in range(args.warmup):
-            step_time(model, images, **inputs.get(label, {}))
+            step_time(model, images, args.precision, **inputs.get(label, {}))
 
     times: dict[str, list[float]] = {label: [] for label in models}
     for _ in range(args.rounds):
         for label, model in models.items():
-            times[label].append(step_time(model, images, **inputs.get(label, {})))
+            times[label].append(step_time(model, images, args.precision, args.steps, **inputs.get(label, {})))
 
     base = statistics.median(next(iter(times.values())))
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{torch.get_num_threads()} threads"
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {args.batch}, {args.size}px, "
-        f"fwd+bwd, median of {args.rounds} interleaved rounds, {args.malloc} malloc, patch dropout {args.patch_drop}"
+        f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {where}, {args.precision}, batch {args.batch}, "
+        f"{args.size}px, fwd+bwd, median of {args.rounds} interleaved rounds of {args.steps} step(s), "
+        f"{args.malloc} malloc, patch dropout {args.patch_drop}"
     )
     print("| model | images/s | ratio to timm ViT-S |")
     print("|---|---|---|")

@@ -1,0 +1,53 @@
+"""bench/throughput.py: the CPU table's script also times bf16 autocast and several steps per measurement (the
+options its GPU rows use); a run prints one row per model with its ratio to timm's ViT-S."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("throughput", ROOT / "bench" / "throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_time_runs_bf16_steps_and_clears_gradients(bench, monkeypatch):
+    model = timm.create_model("visionpe_vit_small_patch16_224", pos_embed="rope_axial", img_size=32, depth=1)
+    dtypes, forward = [], model.forward
+
+    def recorded(x):
+        out = forward(x)
+        dtypes.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(model, "forward", recorded)
+    seconds = bench.step_time(model, torch.randn(2, 3, 32, 32), "bf16", steps=3)
+    assert seconds > 0 and dtypes == [torch.bfloat16] * 3
+    assert all(p.grad is None for p in model.parameters())
+    dtypes.clear()
+    bench.step_time(model, torch.randn(2, 3, 32, 32))
+    assert dtypes == [torch.float32]
+
+
+def test_main_prints_a_row_per_model(bench, monkeypatch, capsys):
+    args = "--schemes rope_axial --rounds 1 --warmup 0 --batch 1 --size 32 --steps 2 --precision bf16"
+    monkeypatch.setattr("sys.argv", ["throughput.py", *args.split()])
+    bench.main()
+    out = capsys.readouterr().out
+    assert "bf16, batch 1, 32px" in out and "rounds of 2 step(s)" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "images/s" not in line]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| timm vit_small_patch16_224 (baseline)",
+        "| timm vit_small_patch16_rope_224 (reference)",
+        "| timm vit_small_patch16_rope_mixed_224 (reference)",
+        "| rope_axial",
+    ]
+    assert rows[0].endswith("| 1.000x |")
