@@ -1,4 +1,5 @@
-"""Query-chunked attention (large N with bias schemes) equals the one-piece computation, forward and backward."""
+"""Query-chunked attention (large N with bias schemes, when autograd does not record it) equals the one-piece
+computation, forward and backward."""
 
 import pytest
 import timm
@@ -24,12 +25,28 @@ def _loss_and_grads(model, images):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _attend_rows(monkeypatch) -> list[int]:
+    """Query rows of every ``PosAttention._attend`` call from now on (one call per chunk)."""
+    rows, attend = [], PosAttention._attend
+
+    def spy(self, q, *args, **kwargs):
+        rows.append(q.shape[-2])
+        return attend(self, q, *args, **kwargs)
+
+    monkeypatch.setattr(PosAttention, "_attend", spy)
+    return rows
+
+
 @pytest.mark.parametrize("name, kwargs", CASES)
 def test_chunked_attention_equals_unchunked(name, kwargs, monkeypatch):
     torch.manual_seed(0)
     model = timm.create_model(
-        "visionpe_vit_tiny_patch16_224", pos_embed=name, pos_embed_kwargs=kwargs, depth=2, dynamic_img_size=True
+        "visionpe_vit_tiny_patch16_224", pos_embed=name, pos_embed_kwargs=kwargs, depth=1, dynamic_img_size=True
     )
+    for key, param in model.named_parameters():
+        # what q and k are projected from is frozen: they need no gradient (unless a learned rotation turns them);
+        # the bias tables and what follows attention do
+        param.requires_grad_(not key.startswith(("patch_embed.", "cls_token", "blocks.0.norm1.", "blocks.0.attn.qkv.")))
     for scheme in model.pos_schemes.values():
         for param in scheme.parameters():
             torch.nn.init.normal_(param, std=0.2)  # position tables start at zero: make them matter
@@ -43,12 +60,33 @@ def test_chunked_attention_equals_unchunked(name, kwargs, monkeypatch):
     for scheme in model.pos_schemes.values():
         if hasattr(scheme, "full_state_max_tokens"):
             monkeypatch.setattr(scheme, "full_state_max_tokens", 0)  # build rows from coordinates, as at 1024 px
+    calls = _attend_rows(monkeypatch)
     chunked, chunked_grads = _loss_and_grads(model, images)
-
+    # RoPE-Mixed's learned frequencies give the rotated q and k a gradient: a recorded attention, one piece
+    assert calls == ([21] if "rope_mixed" in name else [2] * 10 + [1])
     torch.testing.assert_close(chunked, full, atol=1e-5, rtol=1e-5)
     assert chunked_grads.keys() == full_grads.keys()
     for key, grad in full_grads.items():
         torch.testing.assert_close(chunked_grads[key], grad, atol=1e-5, rtol=1e-4, msg=key)
+
+    calls.clear()
+    with torch.no_grad():  # inference: chunked for every scheme
+        torch.testing.assert_close(model(images), full, atol=1e-5, rtol=1e-5)
+    assert calls == [2] * 10 + [1]
+
+
+def test_recorded_attention_runs_in_one_piece(monkeypatch):
+    # when autograd records the attention, each chunk's bias is kept for the backward anyway: chunks would keep
+    # what the full bias does and only multiply the kernels
+    model = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed="alibi2d", depth=2, img_size=32)
+    monkeypatch.setattr(PosAttention, "bias_chunk_bytes", 1)  # a chunk per query row, where chunks are taken
+    calls = _attend_rows(monkeypatch)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert calls == [5, 5]  # 4 patches + cls, one piece per block
+    calls.clear()
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32))
+    assert calls == [1] * 10
 
 
 def test_small_attention_is_not_chunked():
