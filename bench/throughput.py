@@ -10,7 +10,7 @@ in the same run; timm's own RoPE ViTs (Eva) are printed as reference rows.
     .venv/bin/python bench/throughput.py --malloc retain  # glibc keeps freed memory: no page faults per step
     .venv/bin/python bench/throughput.py --patch-drop 0.5  # every model, the baseline too, with timm's patch dropout
     .venv/bin/python bench/throughput.py --schemes string_cayley --depth  # and STRING on RGB-D (depth_coords)
-    python3 bench/throughput.py --device cuda --precision bf16 --batch 128 --steps 5   # on a GPU
+    python3 bench/throughput.py --device cuda --precision bf16 --batch 128 --steps 5 --profile  # on a GPU
 
 ``--malloc retain`` (Linux, glibc) sets M_MMAP_THRESHOLD to its 32 MB maximum and M_TRIM_THRESHOLD beyond any
 heap before the models are built, for every model of the run alike. With the default allocator, freed memory at
@@ -30,6 +30,7 @@ import time
 
 import timm
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 import visionpe
 
@@ -69,6 +70,28 @@ def step_time(
     return (time.perf_counter() - start) / steps
 
 
+def profile_step(
+    model: torch.nn.Module, images: torch.Tensor, precision: str = "fp32", steps: int = 2, **inputs: torch.Tensor
+) -> tuple[float, float]:
+    """(kernels launched, device milliseconds) per training step, from ``torch.profiler`` over ``steps`` steps.
+
+    On CUDA: CUDA kernels and their GPU time, so that time the GPU sits idle waiting for the CPU to launch kernels
+    shows as the gap to the measured step time. On CPU: aten operator calls (nested calls included) and their self
+    CPU time.
+    """
+    cuda = images.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        step_time(model, images, precision, steps, **inputs)
+    if cuda:
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in events)
+    else:
+        events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+        busy = sum(e.self_cpu_time_total for e in events)
+    return sum(e.count for e in events) / steps, busy / steps / 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schemes", nargs="*", default=None, help="scheme names (default: all + combos)")
@@ -80,6 +103,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for a GPU run (e.g. --batch 128 --steps 5)")
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: autocast")
     parser.add_argument("--steps", type=int, default=1, help="steps per timed measurement (mean)")
+    parser.add_argument(
+        "--profile", action="store_true", help="also kernels (CPU: aten ops) and device ms per step, torch.profiler"
+    )
     parser.add_argument("--malloc", choices=["default", "retain"], default="default", help="see the module notes")
     parser.add_argument("--patch-drop", type=float, default=0.0, help="timm's patch_drop_rate for every model")
     parser.add_argument(
@@ -136,11 +162,17 @@ def main() -> None:
         f"{args.size}px, fwd+bwd, median of {args.rounds} interleaved rounds of {args.steps} step(s), "
         f"{args.malloc} malloc, patch dropout {args.patch_drop}"
     )
-    print("| model | images/s | ratio to timm ViT-S |")
-    print("|---|---|---|")
+    unit = "kernels" if args.device.startswith("cuda") else "aten ops"
+    extra = f" {unit} per step | device ms per step |" if args.profile else ""
+    print(f"| model | images/s | ratio to timm ViT-S |{extra}")
+    print("|---|---|---|" + ("---|---|" if args.profile else ""))
     for label, ts in times.items():
         t = statistics.median(ts)
-        print(f"| {label} | {args.batch / t:.1f} | {base / t:.3f}x |")
+        row = f"| {label} | {args.batch / t:.1f} | {base / t:.3f}x |"
+        if args.profile:
+            count, busy = profile_step(models[label], images, args.precision, **inputs.get(label, {}))
+            row += f" {count:.0f} | {busy:.1f} |"
+        print(row)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def test_step_time_runs_bf16_steps_and_clears_gradients(bench, monkeypatch):
 
 
 def test_main_prints_a_row_per_model(bench, monkeypatch, capsys):
-    args = "--schemes rope_axial --rounds 1 --warmup 0 --batch 1 --size 32 --steps 2 --precision bf16"
+    args = "--schemes rope_axial --rounds 1 --warmup 0 --batch 1 --size 32 --steps 2 --precision bf16 --profile"
     monkeypatch.setattr("sys.argv", ["throughput.py", *args.split()])
     bench.main()
     out = capsys.readouterr().out
@@ -50,4 +50,16 @@ def test_main_prints_a_row_per_model(bench, monkeypatch, capsys):
         "| timm vit_small_patch16_rope_mixed_224 (reference)",
         "| rope_axial",
     ]
-    assert rows[0].endswith("| 1.000x |")
+    assert rows[0].split(" | ")[2] == "1.000x" and "aten ops per step | device ms per step |" in out
+    assert all(float(row.split(" | ")[3]) > 0 and float(row.split(" | ")[4].rstrip(" |")) > 0 for row in rows)
+
+
+def test_profile_counts_the_ops_a_scheme_adds(bench):
+    # on CPU the profile counts aten operator calls: a rotary scheme launches more per step than no encoding
+    images = torch.randn(1, 3, 32, 32)
+    counts = {}
+    for name in ("none", "rope_axial"):
+        model = timm.create_model("visionpe_vit_small_patch16_224", pos_embed=name, img_size=32, depth=2)
+        counts[name], busy = bench.profile_step(model, images)
+        assert busy > 0
+    assert counts["rope_axial"] > counts["none"] > 0, counts
