@@ -37,7 +37,9 @@ def cayley_orthogonal(skew: torch.Tensor) -> torch.Tensor:
     with torch.autocast(skew.device.type, enabled=False):
         skew = skew.float()
         eye = torch.eye(skew.shape[-1], device=skew.device)
-        return torch.linalg.solve(eye + skew, eye - skew)
+        # I + S is invertible for every skew S (eigenvalues 1 + i lambda): solve_ex skips linalg.solve's error
+        # check, which on a GPU reads a status back from the device (a sync in every forward)
+        return torch.linalg.solve_ex(eye + skew, eye - skew)[0]
 
 
 def _layer_basis(basis: torch.Tensor, layer: int) -> torch.Tensor:
