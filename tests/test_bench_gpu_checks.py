@@ -1,19 +1,13 @@
 """bench/gpu_checks.py runs on CPU as a dry run and its checks fail when bf16 and fp32 disagree."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from .scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def checks():
-    spec = importlib.util.spec_from_file_location("gpu_checks", ROOT / "bench" / "gpu_checks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/gpu_checks.py")
 
 
 def test_dry_run_on_cpu(checks):

@@ -1,14 +1,10 @@
 """bench/saved_memory.py: the count of memory kept for the backward."""
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("saved_memory", ROOT / "bench" / "saved_memory.py")
-saved_memory = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(saved_memory)
+from .scripts import load_script
+
+saved_memory = load_script("bench/saved_memory.py")
 
 
 def test_saved_bytes_counts_each_storage_once():

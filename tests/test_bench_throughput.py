@@ -1,22 +1,16 @@
 """bench/throughput.py: the CPU table's script also times bf16 autocast and several steps per measurement (the
 options its GPU rows use); a run prints one row per model with its ratio to timm's ViT-S."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import timm
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from .scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("throughput", ROOT / "bench" / "throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/throughput.py")
 
 
 def test_step_time_runs_bf16_steps_and_clears_gradients(bench, monkeypatch):

@@ -1,7 +1,6 @@
 """The extrapolation sweep script: trains from a config, evaluates at several sizes, writes table, CSV and plot."""
 
 import csv
-import importlib.util
 from pathlib import Path
 
 import lightning
@@ -13,15 +12,14 @@ from visionpe.rotary.scaling import EXTRAPOLATION_MODES
 from visionpe.training.evaluate import markdown_table, summarize
 from visionpe.training.experiments import accepts_extrapolation
 
+from ..scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(ROOT / "configs" / "demo" / "digits.yaml")
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("extrapolate", ROOT / "train" / "extrapolate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train/extrapolate.py")
 
 
 def test_sweep_writes_table_csv_and_plot(tmp_path, monkeypatch):

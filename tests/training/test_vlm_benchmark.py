@@ -1,9 +1,7 @@
 """The multimodal extrapolation benchmark: model, Lightning module, quick setting end to end, reports."""
 
 import csv
-import importlib.util
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,14 +27,11 @@ from visionpe.training.vlm import (  # noqa: E402
 )
 from visionpe.training.vlm.benchmark import CHANCE, markdown_table  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+from ..scripts import load_script  # noqa: E402
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("vlm_extrapolation", ROOT / "bench" / "vlm_extrapolation.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/vlm_extrapolation.py")
 
 
 @pytest.fixture(scope="module")
