@@ -129,8 +129,6 @@ def main() -> None:
     for names in schemes:
         label = "+".join(names)
         models[label] = timm.create_model("visionpe_vit_small_patch16_224", pos_embed=names, img_size=args.size, **drop)
-    for model in models.values():
-        model.to(args.device)
     images = torch.randn(args.batch, 3, args.size, args.size, device=args.device)
     inputs: dict[str, dict[str, torch.Tensor]] = {}  # extra forward arguments per model
     if args.depth:
@@ -143,10 +141,9 @@ def main() -> None:
                 img_size=args.size,
                 **drop,
             )
-            models[label].to(args.device)
             inputs[label] = {"depth": torch.rand(args.batch, 1, args.size, args.size, device=args.device) * 5}
     for label, model in models.items():
-        model.train()
+        model.to(args.device).train()
         for _ in range(args.warmup):
             step_time(model, images, args.precision, **inputs.get(label, {}))
 
