@@ -1,0 +1,208 @@
+"""One writer for every benchmark's result files: ``<out_dir>/<name>.md`` and ``<out_dir>/<name>.csv``.
+
+The Markdown file starts with one line that says when and on what the numbers were measured (UTC date, git
+commit with ``+dirty`` when tracked files have uncommitted changes, torch and timm versions, the device) and the
+exact command that wrote it, then optional notes (the settings of the run), then the table. The CSV file holds the
+same table, header row first, with no comments, so that it loads as it is::
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # in a bench/ script: the repository root
+    from bench.results import write_results
+
+    write_results(
+        "throughput",
+        [["timm vit_small_patch16_224", 123.4, 1.0]],
+        ["model", "images/s", "ratio"],
+        out_dir="docs/benchmarks/results",
+        formats={"images/s": ".1f", "ratio": ".3f"},
+        notes="batch 8, 224 px, fp32",
+    )
+
+Paths never appear as they are on the machine that ran the benchmark: paths inside the repository are written
+relative to its root, others as ``.../<last component>``; the interpreter is written as ``python``.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = "docs/benchmarks/results"
+
+# an absolute path of two or more components, not part of a word or a relative path ("images/s", "fwd/bwd")
+_ABSOLUTE = re.compile(r"(?<![\w.~/-])/(?:[\w.+~-]+/)+[\w.+~-]*")
+
+
+def relative_path(text: str) -> str:
+    """``text`` with every absolute path made relative to the repository root, or ``.../<last component>``."""
+    root = str(ROOT)
+
+    def replace(match: re.Match[str]) -> str:
+        path = match.group(0)
+        if path == root or path.startswith(root + "/"):
+            return os.path.relpath(path, root)
+        name = Path(path.rstrip("/")).name
+        return f".../{name}" if name else "..."
+
+    return _ABSOLUTE.sub(replace, text)
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command that ran, shell-quoted, as ``python <script> <args>``, with no machine paths in it."""
+    argv = list(sys.argv if argv is None else argv)
+    if not argv:
+        return "python"
+    return shlex.join(["python", *(relative_path(arg) for arg in argv)])
+
+
+def git_commit() -> str:
+    """The short hash of HEAD, with ``+dirty`` when tracked files have uncommitted changes; ``unknown`` without git."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        changes = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if changes else "")
+
+
+def cpu_name() -> str:
+    """The CPU model (Linux ``/proc/cpuinfo``; ``platform.processor()`` elsewhere) and its core count."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine() or "unknown CPU"
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def device_name(device: str | None = None) -> str:
+    """``device`` in words: the CUDA device's name for ``cuda``/``cuda:N``, else the CPU (model and core count)."""
+    if device and device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(torch.device(device))
+        return f"{device} (not available)"
+    return f"CPU ({cpu_name()})"
+
+
+def _versions() -> str:
+    parts = []
+    for module in ("torch", "timm"):
+        try:
+            parts.append(f"{module} {__import__(module).__version__}")
+        except ImportError:
+            parts.append(f"{module} not installed")
+    return ", ".join(parts)
+
+
+def header(device: str | None = None, command: Sequence[str] | str | None = None, now=None) -> str:
+    """The first line of a result file: date (UTC), commit, torch and timm versions, device, command."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    cmd = relative_path(command) if isinstance(command, str) else command_line(command)
+    return (
+        f"Measured {now:%Y-%m-%d %H:%M} UTC, commit {git_commit()}, {_versions()}, {device_name(device)}; "
+        f"command: `{cmd}`"
+    )
+
+
+def _cell(value, fmt: str | None) -> str:
+    if value is None:
+        return ""
+    if fmt and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, fmt)
+    return relative_path(str(value))
+
+
+def _numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def table_cells(
+    rows: Iterable[Sequence | Mapping], columns: Sequence[str], formats: Mapping[str, str] | None = None
+) -> list[list[str]]:
+    """``rows`` (sequences in column order, or mappings by column name) as strings, formatted per column."""
+    formats = formats or {}
+    cells = []
+    for row in rows:
+        values = [row.get(c) for c in columns] if isinstance(row, Mapping) else list(row)
+        if len(values) != len(columns):
+            raise ValueError(f"row {values!r} has {len(values)} values for {len(columns)} columns")
+        cells.append([_cell(v, formats.get(c)) for c, v in zip(columns, values, strict=True)])
+    return cells
+
+
+def markdown_table(columns: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
+    """A Markdown table; columns whose cells are all numbers (or empty) are right-aligned."""
+
+    def escape(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    align = []
+    for j in range(len(columns)):
+        values = [row[j] for row in cells if row[j]]
+        align.append("---:" if values and all(_numeric(v) for v in values) else "---")
+    lines = ["| " + " | ".join(escape(c) for c in columns) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(escape(v) for v in row) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+def write_results(
+    name: str,
+    rows: Iterable[Sequence | Mapping],
+    columns: Sequence[str],
+    *,
+    out_dir: str | os.PathLike = DEFAULT_OUT,
+    command: Sequence[str] | str | None = None,
+    notes: str | Sequence[str] | None = None,
+    device: str | None = None,
+    formats: Mapping[str, str] | None = None,
+) -> tuple[Path, Path]:
+    """Write ``<out_dir>/<name>.md`` and ``<out_dir>/<name>.csv``; returns their paths.
+
+    ``rows``: sequences in the order of ``columns``, or mappings from column name to value; ``None`` is an empty
+    cell. ``formats``: a format spec per column for numbers (``{"images/s": ".1f"}``), the same in both files.
+    ``command``: the argv (default ``sys.argv``) or a ready string. ``notes``: lines between the header and the
+    table (the run's settings). ``device``: ``"cuda"`` names the CUDA device, anything else the CPU. A relative
+    ``out_dir`` is taken from the current directory, and created if missing.
+    """
+    cells = table_cells(rows, columns, formats)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [header(device, command)]
+    if notes:
+        for note in [notes] if isinstance(notes, str) else notes:
+            lines += ["", relative_path(note)]
+    lines += ["", markdown_table(columns, cells), ""]
+    md_path, csv_path = out / f"{name}.md", out / f"{name}.csv"
+    md_path.write_text("\n".join(lines))
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(columns)
+        writer.writerows(cells)
+    return md_path, csv_path
