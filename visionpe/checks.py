@@ -33,10 +33,13 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_float",
+    "check_instance",
     "check_int",
     "check_positive",
     "check_tensor",
     "describe",
+    "is_int",
+    "is_number",
 ]
 
 _MAX_REPR = 80
@@ -65,6 +68,43 @@ def describe(value: Any) -> str:
 
 def _type_error(name: str, expected: str, value: Any) -> ArgumentTypeError:
     return ArgumentTypeError(f"{name} must be {expected}, got {describe(value)}")
+
+
+def is_int(value: Any) -> bool:
+    """True for a Python int that is not a bool: the test inside :func:`check_int`, for combined conditions.
+
+    Example:
+        >>> is_int(3), is_int(True), is_int(3.0)
+        (True, False, False)
+    """
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """True for a Python int or float that is not a bool: the type test inside :func:`check_float`.
+
+    Example:
+        >>> is_number(0.5), is_number(2), is_number(False), is_number("1")
+        (True, True, False, False)
+    """
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_instance(value: Any, name: str, types: type | tuple[type, ...], *, expected: str) -> Any:
+    """``value`` if it is an instance of ``types``; a bool passes only when ``bool`` is listed (not for ``int``).
+
+    Example:
+        >>> check_instance("rope_axial", "scheme name", str, expected="a str")
+        'rope_axial'
+        >>> check_instance(5, "allocation", (str, dict), expected="a name or a dict")
+        Traceback (most recent call last):
+        ...
+        visionpe.checks.ArgumentTypeError: allocation must be a name or a dict, got int (5)
+    """
+    listed = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, listed) or (isinstance(value, bool) and bool not in listed):
+        raise _type_error(name, expected, value)
+    return value
 
 
 def check_bool(value: Any, name: str, *, expected: str = "a bool") -> bool:
@@ -126,7 +166,7 @@ def check_int(
         ...
         visionpe.checks.ArgumentTypeError: depth must be a positive int, got float (2.0)
     """
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise _type_error(name, type_expected or expected or _int_phrase(min, max), value)
     if (min is not None and value < min) or (max is not None and value > max):
         raise ValueError(f"{name} must be {expected or _int_phrase(min, max)}, got {value!r}")
@@ -182,7 +222,7 @@ def check_float(
         ...
         visionpe.checks.ArgumentTypeError: tokens_per_second must be a number, got str ('2')
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         phrase = type_expected or expected or _float_phrase(min, max, min_open, max_open, finite)
         raise _type_error(name, phrase, value)
     ok = not math.isnan(value) and (not finite or math.isfinite(value))

@@ -4,7 +4,7 @@ Tokens are stored row-major (k = y * W + x for 2D, k = (t * H + y) * W + x for 3
 columns follow the grid axes: ``(y, x)`` for 2D and ``(t, y, x)`` for 3D. Prefix tokens (cls and
 registers) come before the patch tokens and have no grid coordinate; see :func:`prefix_mask`.
 
-Coordinate modes (SCHEMES.md §0):
+Coordinate modes (``coord_mode`` of every scheme):
 
 - ``index``: integer positions, x in {0..W-1};
 - ``centered``: i - (n - 1) / 2;
@@ -14,11 +14,12 @@ Coordinate modes (SCHEMES.md §0):
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Sequence
 
 import torch
+
+from .checks import check_choice, check_int, check_positive
 
 __all__ = ["COORD_MODES", "grid_coords", "prefix_mask", "validate_count", "validate_grid_size", "validate_positive"]
 
@@ -26,30 +27,27 @@ COORD_MODES = ("index", "centered", "normalized", "ref_scaled")
 
 
 def validate_count(value: int, name: str = "num_prefix_tokens") -> int:
-    """``value`` if it is a non-negative int (not a bool), else a ValueError naming ``name``.
+    """``value`` if it is a non-negative int (not a bool): :func:`~visionpe.checks.check_int` with ``min=0``.
+
+    A negative value raises ValueError; another type raises :class:`~visionpe.checks.ArgumentTypeError`, a
+    TypeError that is also a ValueError.
 
     Example:
         >>> validate_count(1)
         1
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return value
+    return check_int(value, name, min=0)
 
 
 def validate_positive(value: float, name: str) -> float:
-    """``value`` as a float if it is a positive finite number; TypeError naming ``name`` for a non-number (bool
-    included), ValueError for zero, negative, inf or NaN.
+    """``value`` as a float if it is a positive finite number (:func:`~visionpe.checks.check_positive`): TypeError
+    naming ``name`` for a non-number (bool included), ValueError for zero, negative, inf or NaN.
 
     Example:
         >>> validate_positive(2, "ratio")
         2.0
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a positive finite number, got {type(value).__name__} ({value!r})")
-    if not 0 < value < math.inf:  # NaN fails too
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    return float(value)
+    return check_positive(value, name)
 
 
 def validate_grid_size(grid_size: Sequence[int], name: str = "grid_size", ndims: Sequence[int] = (2, 3)) -> tuple:
@@ -72,11 +70,7 @@ def validate_grid_size(grid_size: Sequence[int], name: str = "grid_size", ndims:
                 value = operator.index(g)
             except TypeError:
                 pass
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name}[{i}] must be an int, got {type(g).__name__} ({g!r})")
-        if value <= 0:
-            raise ValueError(f"{name}[{i}] must be positive, got {value}")
-        out.append(value)
+        out.append(check_int(value, f"{name}[{i}]", min=1, expected="positive", type_expected="an int"))
     return tuple(out)
 
 
@@ -120,8 +114,7 @@ def grid_coords(
         tensor([-1.5000, -0.5000,  0.5000,  1.5000])
     """
     grid_size = validate_grid_size(grid_size)
-    if mode not in COORD_MODES:
-        raise ValueError(f"mode must be one of {COORD_MODES}, got {mode!r}")
+    check_choice(mode, "mode", COORD_MODES)
     if mode == "ref_scaled":
         if ref_grid_size is None:
             raise ValueError("mode='ref_scaled' needs ref_grid_size (the training grid), got None")

@@ -12,8 +12,9 @@ from collections.abc import Callable
 from torch import nn
 
 from .base import check_model_shape
+from .checks import check_choice, check_instance
 
-__all__ = ["register_scheme", "list_schemes", "create_pos_embed", "get_scheme_class"]
+__all__ = ["register_scheme", "unregister_scheme", "list_schemes", "create_pos_embed", "get_scheme_class"]
 
 _SCHEMES: dict[str, type[nn.Module]] = {}
 
@@ -31,6 +32,24 @@ def register_scheme(name: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
     return wrap
 
 
+def unregister_scheme(name: str) -> type[nn.Module]:
+    """Remove the scheme ``name`` from the registry and return its class (ValueError if it is not registered).
+
+    For schemes registered for a while, e.g. in a test: models built with it keep working.
+
+    Example:
+        >>> import visionpe
+        >>> from visionpe.registry import register_scheme, unregister_scheme
+        >>> cls = unregister_scheme("rope_axial")
+        >>> "rope_axial" in visionpe.list_schemes()
+        False
+        >>> _ = register_scheme("rope_axial")(cls)
+    """
+    cls = get_scheme_class(name)
+    del _SCHEMES[name]
+    return cls
+
+
 def list_schemes(kind: str | None = None) -> list[str]:
     """Sorted names of the registered vision schemes, optionally only one kind.
 
@@ -43,14 +62,13 @@ def list_schemes(kind: str | None = None) -> list[str]:
         True
     """
     kinds = ("absolute", "rotary", "bias")
-    if kind is not None and kind not in kinds:
-        raise ValueError(f"kind must be one of {kinds} or None, got {kind!r}")
+    if kind is not None:
+        check_choice(kind, "kind", kinds, expected=f"one of {kinds} or None")
     return sorted(n for n, c in _SCHEMES.items() if kind is None or c.kind == kind)
 
 
 def get_scheme_class(name: str) -> type[nn.Module]:
-    if not isinstance(name, str):
-        raise TypeError(f"scheme name must be a str, got {type(name).__name__} ({name!r})")
+    check_instance(name, "scheme name", str, expected="a str")
     if name not in _SCHEMES:
         raise ValueError(f"unknown position scheme {name!r}; valid names: {', '.join(list_schemes())}")
     return _SCHEMES[name]
