@@ -6,12 +6,12 @@ timm's Eva passes ``rope``, and picks its own layer. Attention runs through ``sc
 with the summed logit bias as ``attn_mask``; only schemes that add a value term (``needs_probs``) take the
 explicit path.
 
-With patch dropout (timm's ``patch_drop_rate``) each sample keeps its own subset of patches; the context then
-holds ``keep``, the kept tokens' indices in the full sequence (SCHEMES.md section 0: positions, rotations and
-biases are gathered with the kept indices). Rotary schemes with cos/sin tables (RoPE, STRING) rotate the kept q
-and k by the kept rows of their tables (``apply_kept``, or in place: ``apply_qkv_(..., keep)``); the others rotate
-them placed back on the full grid (dropped rows zero) and gather them again. Bias schemes build the full grid's
-bias (from q and k placed back likewise) and gather the kept rows and columns. Every scheme thus takes patch
+With patch dropout (timm's ``patch_drop_rate``) each sample keeps its own subset of patches; the context then holds
+``keep``, the kept tokens' indices in the full sequence (positions, rotations and biases are those of the full grid,
+gathered with the kept indices: :mod:`visionpe.tokens`). Rotary schemes with cos/sin tables (RoPE, STRING) rotate
+the kept q and k by the kept rows of their tables; the others rotate them placed back on the full grid (dropped rows
+zero) and gather them again (:meth:`~visionpe.rotary.state.LayerRotation.rotate_kept`). Bias schemes build the full
+grid's bias (from q and k placed back likewise) and gather the kept rows and columns. Every scheme thus takes patch
 dropout with the same rotations and biases as the full grid.
 
 A dense bias is (B, heads, N, N): 400 MB in fp32 for ViT-S at 1024 px (N = 4097), per block. When it would
@@ -32,16 +32,19 @@ from timm.layers import Attention
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from .base import BiasPositionEncoding, RotaryPositionEncoding
+from .base import BiasPositionEncoding
+from .rotary.state import ChainedRotation, IdentityRotation, LayerRotation, RotaryState
+from .tokens import gather_pairs, gather_tokens, scatter_pairs, scatter_tokens
 
 __all__ = ["PositionContext", "PosAttention", "PosBlock"]
 
 
 @dataclass
 class PositionContext:
-    """Per-forward position state shared by all blocks."""
+    """Per-forward position state shared by all blocks: each rotary scheme's
+    :class:`~visionpe.rotary.state.RotaryState` and each bias scheme's (scheme, state)."""
 
-    rotary: list[tuple[RotaryPositionEncoding, Any]] = field(default_factory=list)
+    rotary: list[RotaryState] = field(default_factory=list)
     bias: list[tuple[BiasPositionEncoding, Any]] = field(default_factory=list)
     # patch dropout: (B, K) int64 indices of the tokens each sample kept (prefix included) in the full sequence of
     # ``num_tokens`` tokens the states were built for; None when every token is there
@@ -51,6 +54,14 @@ class PositionContext:
     @property
     def needs_probs(self) -> bool:
         return any(scheme.needs_probs for scheme, _ in self.bias)
+
+    def rotation(self, layer: int) -> LayerRotation:
+        """The rotation of q and k in block ``layer``: every rotary scheme's, in order (the identity without one)."""
+        if not self.rotary:
+            return IdentityRotation()
+        if len(self.rotary) == 1:
+            return self.rotary[0].layer(layer)
+        return ChainedRotation([state.layer(layer) for state in self.rotary])
 
 
 class PosAttention(Attention):
@@ -77,87 +88,61 @@ class PosAttention(Attention):
             return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
         B, N, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
-        rotary, plain_qk = pos.rotary, isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity)
-        basis = None
-        if rotary and plain_qk and type(self.qkv) is nn.Linear:
-            # a first rotary scheme that starts with a fixed matrix P on q and k (STRING): P goes into the
-            # projection weights for this forward instead of multiplying every token's q and k
-            folded = rotary[0][0].projection_basis(rotary[0][1], self.layer)
-            if folded is not None:
-                basis, rest = folded
-                rotary = [(rotary[0][0], rest), *rotary[1:]]
-        keep = pos.keep
-        if len(rotary) == 1 and plain_qk:
-            # a scheme that rotates q and k inside the projection output (RoPE, STRING, LieRE, ComRoPE): q, k, v
-            # stay views of one buffer, as in timm. Projected from the flattened tokens, the output is the gemm's
-            # own tensor, not a view of it, so autograd records the in-place rotation without copying its gradient
+        rotation = pos.rotation(self.layer)
+        if isinstance(self.q_norm, nn.Identity) and isinstance(self.k_norm, nn.Identity):
+            # a basis P that the rotation starts with (STRING) goes into the projection weights for this forward;
+            # the rest rotates q and k inside the projection output, so q, k, v stay views of one buffer as in timm
+            basis = rotation.basis if type(self.qkv) is nn.Linear else None
+            if basis is not None:
+                rotation = rotation.without_basis()
             qkv = self.project_qkv(x.reshape(B * N, -1), basis)
-            rotated = rotary[0][0].apply_qkv_(qkv, rotary[0][1], self.layer, self.num_heads, keep)
-            if rotated is not None:
-                qkv, rotary = rotated, []
-        else:
-            qkv = self.project_qkv(x, basis)
-        qkv = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        if not rotary:
-            q, k, v = qkv.unbind(0)
-            q, k = self.q_norm(q), self.k_norm(k)
-        else:
-            if plain_qk:
-                # split (not slice or unbind): its backward is one cat, without zero-filled gradient buffers
-                qk, v = qkv.split([2, 1])
-                v = v.squeeze(0)
-            else:
-                q, k, v = qkv.unbind(0)
-                qk = torch.stack((self.q_norm(q), self.k_norm(k)))
-            # q and k rotate together: one pass over both per scheme
-            for scheme, state in rotary:
-                if keep is None:
-                    qk = scheme.apply(qk, state, self.layer)
-                    continue
-                # patch dropout: the kept tokens' own rotations where the scheme can gather them, else rotated
-                # on the full grid (dropped rows zero) and gathered back
-                kept = scheme.apply_kept(qk, state, self.layer, keep)
-                if kept is None:
-                    full = scheme.apply(scatter_tokens(qk, keep, pos.num_tokens), state, self.layer)
-                    kept = gather_tokens(full, keep)
-                qk = kept
-            q, k = qk.unbind(0)
-            if torch.compiler.is_compiling():
-                # inductor (torch 2.14) can fix the token stride of the q/k it saves for attention's backward in a
-                # graph with dynamic shapes, which then fails at the next image size; the layout copy is fused away
-                q, k = q.contiguous(), k.contiguous()
-
-        # chunks only where autograd does not record the attention: when it does, each chunk's bias is kept for
-        # attention's backward, so the chunks keep what the full bias would and only multiply the kernels
-        # (ViT-S training at batch 128 on an H200: alibi2d 0.43x -> 0.86x of timm, with a lower peak)
-        recorded = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-        chunk = self.query_chunk_rows(B, N) if pos.bias and not is_causal and keep is None and not recorded else N
-        if chunk >= N:
-            x = self._attend(q, k, v, pos, attn_mask, is_causal, None)
-        else:
-            # a mask with one row per query is cut like the bias; a broadcast row is shared by every chunk
-            per_row = attn_mask is not None and attn_mask.ndim >= 2 and attn_mask.shape[-2] == N
-            x = torch.cat(
-                [
-                    self._attend(
-                        q[:, :, start : start + chunk],
-                        k,
-                        v,
-                        pos,
-                        attn_mask[..., start : start + chunk, :] if per_row else attn_mask,
-                        False,
-                        slice(start, start + chunk),
-                    )
-                    for start in range(0, N, chunk)
-                ],
-                dim=2,
-            )
-
+            q, k, v = rotation.rotate_qkv(qkv, B, self.num_heads, pos.keep)
+        else:  # q/k normalised after the projection: the rotation (P included) acts on the normalised q and k
+            q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+            q, k = rotation.rotate_tokens(torch.stack((self.q_norm(q), self.k_norm(k))), pos.keep).unbind(0)
+        x = self._attend_chunked(q, k, v, pos, attn_mask, is_causal)
         x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
         x = self.norm(x)
         if gate is not None:
             x = x * gate
         return self.proj_drop(self.proj(x))
+
+    def _attend_chunked(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pos: PositionContext,
+        attn_mask: torch.Tensor | None,
+        is_causal: bool,
+    ) -> torch.Tensor:
+        """:meth:`_attend` of all queries, in chunks of query rows where a dense bias would be large and autograd
+        does not record the attention (see the module docstring)."""
+        B, N = q.shape[0], q.shape[2]
+        # chunks only where autograd does not record the attention: when it does, each chunk's bias is kept for
+        # attention's backward, so the chunks keep what the full bias would and only multiply the kernels
+        # (ViT-S training at batch 128 on an H200: alibi2d 0.43x -> 0.86x of timm, with a lower peak)
+        recorded = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        chunk = self.query_chunk_rows(B, N) if pos.bias and not is_causal and pos.keep is None and not recorded else N
+        if chunk >= N:
+            return self._attend(q, k, v, pos, attn_mask, is_causal, None)
+        # a mask with one row per query is cut like the bias; a broadcast row is shared by every chunk
+        per_row = attn_mask is not None and attn_mask.ndim >= 2 and attn_mask.shape[-2] == N
+        return torch.cat(
+            [
+                self._attend(
+                    q[:, :, start : start + chunk],
+                    k,
+                    v,
+                    pos,
+                    attn_mask[..., start : start + chunk, :] if per_row else attn_mask,
+                    False,
+                    slice(start, start + chunk),
+                )
+                for start in range(0, N, chunk)
+            ],
+            dim=2,
+        )
 
     def project_qkv(self, x: torch.Tensor, basis: torch.Tensor | None = None) -> torch.Tensor:
         """``self.qkv(x)``, with q and k of every head multiplied by ``basis`` when given
@@ -237,38 +222,6 @@ class PosAttention(Attention):
                     full = scatter_pairs(attn, pos.keep, pos.num_tokens)
                     x = x + gather_tokens(scheme.value_term(full, state, self.layer), pos.keep)
         return x
-
-
-def _token_index(keep: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``keep`` (B, K) as a gather/scatter index along dim -2 of x (..., B, heads, K | N, D)."""
-    return keep.view(keep.shape[0], 1, keep.shape[1], 1).expand(*x.shape[:-2], keep.shape[1], x.shape[-1])
-
-
-def scatter_tokens(x: torch.Tensor, keep: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Kept tokens x (..., B, heads, K, D) on the full sequence (..., B, heads, num_tokens, D), dropped rows zero."""
-    full = x.new_zeros(*x.shape[:-2], num_tokens, x.shape[-1])
-    return full.scatter(-2, _token_index(keep, x), x)
-
-
-def gather_tokens(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """The kept rows (..., B, heads, K, D) of full-sequence tokens x (..., B, heads, num_tokens, D)."""
-    return x.gather(-2, _token_index(keep, x[..., : keep.shape[1], :]))
-
-
-def gather_pairs(bias: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """A full-sequence bias (B | 1, heads | 1, T, T) at the kept pairs: (B, heads | 1, K, K)."""
-    (batch, count), heads, total = keep.shape, bias.shape[1], bias.shape[-1]
-    rows = bias.expand(batch, heads, total, total).gather(2, keep.view(batch, 1, count, 1).expand(-1, heads, -1, total))
-    return rows.gather(3, keep.view(batch, 1, 1, count).expand(-1, heads, count, -1))
-
-
-def scatter_pairs(attn: torch.Tensor, keep: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Probabilities over the kept pairs (B, heads, K, K) on the full sequence (B, heads, T, T), zero elsewhere."""
-    (batch, count), heads = keep.shape, attn.shape[1]
-    cols = attn.new_zeros(batch, heads, count, num_tokens)
-    cols = cols.scatter(3, keep.view(batch, 1, 1, count).expand(-1, heads, count, -1), attn)
-    full = attn.new_zeros(batch, heads, num_tokens, num_tokens)
-    return full.scatter(2, keep.view(batch, 1, count, 1).expand(-1, heads, -1, num_tokens), cols)
 
 
 class PosBlock(Block):

@@ -3,7 +3,8 @@
 - :class:`AbsolutePositionEncoding` adds to (or transforms) the token sequence, before the blocks or
   after the blocks named in ``insert_after``.
 - :class:`RotaryPositionEncoding` rotates q and k inside attention. ``prepare`` turns coordinates into a
-  per-forward state once (e.g. cos/sin for every layer); ``apply`` uses it in each block.
+  per-forward :class:`~visionpe.rotary.state.RotaryState` once (e.g. cos/sin for every layer); each block asks it
+  for its :class:`~visionpe.rotary.state.LayerRotation`.
 - :class:`BiasPositionEncoding` adds to the attention logits; it may depend on q (contextual terms) and
   may add a value term, which needs the attention probabilities.
 
@@ -14,12 +15,15 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from .grid import grid_coords, validate_count, validate_grid_size
+
+if TYPE_CHECKING:
+    from .rotary.state import RotaryState
 
 __all__ = [
     "PositionEncoding",
@@ -104,6 +108,23 @@ class PositionEncoding(nn.Module):
     kind: ClassVar[str] = ""
     ndims: ClassVar[tuple[int, ...]] = (2,)
     coord_mode: str = "index"
+    #: blocks after which the scheme runs (absolute schemes applied between blocks, e.g. CPE's PEG); () = before
+    insert_after: tuple[int, ...] = ()
+    #: the scheme adds nothing to prefix tokens (timm's ``no_embed_class``; the learned table sets it)
+    no_embed_class: bool = False
+
+    @property
+    def extra_inputs(self) -> tuple[str, ...]:
+        """Names of per-sample inputs beyond the image that the scheme needs from the model, passed to
+        :meth:`RotaryPositionEncoding.model_coords` by name (e.g. ``("patch_depth",)``, each patch's mean depth,
+        for STRING with ``depth_coords=True``). Empty by default."""
+        return ()
+
+    def modules_after_blocks(self) -> dict[str, int]:
+        """{submodule name: block index} for submodules that run after one particular block (CPE's PEG after
+        block ``i``), so the model groups their parameters with that block (layer-wise decay, freezing). Empty by
+        default."""
+        return {}
 
     @property
     def coord_ndims(self) -> tuple[int, ...]:
@@ -145,7 +166,6 @@ class AbsolutePositionEncoding(PositionEncoding, ABC):
     called with ``after_block=i`` (so ``forward`` then takes that keyword)."""
 
     kind = "absolute"
-    insert_after: tuple[int, ...] = ()
 
     @abstractmethod
     def forward(self, x: torch.Tensor, grid_size: tuple[int, ...], num_prefix_tokens: int) -> torch.Tensor:
@@ -176,55 +196,31 @@ class AbsolutePositionEncoding(PositionEncoding, ABC):
 
 
 class RotaryPositionEncoding(PositionEncoding, ABC):
-    """Rotates q and k. ``state`` is whatever ``prepare`` returns; it is built once per forward."""
+    """Rotates q and k. ``prepare`` builds a typed per-forward state once (:mod:`visionpe.rotary.state`); each
+    block asks it for its rotation."""
 
     kind = "rotary"
 
     @abstractmethod
     def prepare(
         self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None
-    ) -> Any:
-        """Per-forward state from patch ``coords`` (N, ndim); prefix rows get the identity.
+    ) -> RotaryState:
+        """Per-forward :class:`~visionpe.rotary.state.RotaryState` from patch ``coords`` (N, ndim) (or (B, N, ndim)
+        where the scheme takes per-sample positions); prefix rows get the identity unless the scheme says otherwise.
 
         ``grid_size`` is the current grid when the model knows it (schemes that scale for extrapolation use it).
+        Attention then asks the state for each block's :class:`~visionpe.rotary.state.LayerRotation`.
         """
 
-    @abstractmethod
-    def apply(self, qk: torch.Tensor, state: Any, layer: int) -> torch.Tensor:
-        """``qk``: (..., B, num_heads, num_prefix_tokens + N, head_dim), q and k stacked in front."""
+    def apply(self, qk: torch.Tensor, state: RotaryState, layer: int) -> torch.Tensor:
+        """Rotate ``qk`` (..., B, num_heads, num_prefix_tokens + N, head_dim), q and k stacked in front, as block
+        ``layer`` does: ``state.layer(layer).rotate(qk)``."""
+        return state.layer(layer).rotate(qk)
 
-    def apply_kept(self, qk: torch.Tensor, state: Any, layer: int, keep: torch.Tensor) -> torch.Tensor | None:
-        """Rotate the tokens that patch dropout kept: ``qk`` (..., B, num_heads, K, head_dim) holds, per sample, the
-        tokens ``keep`` (B, K), indices into the ``num_prefix_tokens + N`` tokens that ``state`` was prepared for.
-
-        Return the rotated ``qk``, or None (the default) to have attention rotate them on the full sequence
-        (dropped rows zero) with :meth:`apply` and gather them back. Schemes with per-token tables override it to
-        gather the kept rows of the tables instead.
-        """
-        return None
-
-    def apply_qkv_(
-        self, qkv: torch.Tensor, state: Any, layer: int, num_heads: int, keep: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
-        """Rotate q and k inside the fused projection output ``qkv`` (B * (num_prefix_tokens + N), 3 * num_heads *
-        head_dim) in place and return it, or return None (the default) to have attention cut q and k from it and
-        call :meth:`apply` (:meth:`apply_kept` with patch dropout's ``keep`` (B, K), when qkv holds B * K rows of
-        the kept tokens).
-
-        For schemes whose backward needs only the rotated q and k: attention then cuts q, k, v from one buffer
-        as timm's Attention does, and no second q/k buffer lives from forward to backward.
-        """
-        return None
-
-    def projection_basis(self, state: Any, layer: int) -> tuple[torch.Tensor, Any] | None:
-        """``(P, rest)`` when :meth:`apply` starts by multiplying every token's q and k by a matrix P that is the
-        same for all tokens, P: (num_heads | 1, head_dim, head_dim), and ``apply(qk, rest, layer)`` does what is
-        left; None otherwise (the default).
-
-        Attention may then fold P into the q/k projection weights for this forward (P W_q, P W_k: a product of
-        weight size, not of activation size) and call ``apply`` with ``rest``.
-        """
-        return None
+    def model_coords(self, grid_size: tuple[int, ...], device=None, **inputs: torch.Tensor) -> torch.Tensor:
+        """The positions the model prepares this scheme with for ``grid_size``: :meth:`coords` by default. A scheme
+        that declares :attr:`extra_inputs` receives them here by name (e.g. STRING's ``patch_depth``)."""
+        return self.coords(grid_size, device)
 
     def rotate(
         self, x: torch.Tensor, coords: torch.Tensor, layer: int = 0, grid_size: tuple[int, ...] | None = None

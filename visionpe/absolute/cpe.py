@@ -114,6 +114,10 @@ class PEG(AbsolutePositionEncoding):
             raise ValueError(f"after_block must be one of insert_after={self.insert_after}, got {after_block!r}")
         return self.pegs[index](x, grid_size, num_prefix_tokens)
 
+    def modules_after_blocks(self) -> dict[str, int]:
+        """Each PEG runs after its block: ``{"pegs.j": insert_after[j]}``."""
+        return {f"pegs.{j}": block for j, block in enumerate(self.insert_after)}
+
     def no_weight_decay(self) -> set[str]:
         """The conv biases (CPVT excludes them from weight decay)."""
         return {f"pegs.{i}.proj.bias" for i in range(len(self.pegs))}

@@ -126,7 +126,7 @@ class VisionPEViT(VisionTransformer):
             self.pos_schemes[name] = create_pos_embed(
                 name, dim=self.embed_dim, num_heads=num_heads, depth=depth, **extra, **opts
             )
-            after = getattr(self.pos_schemes[name], "insert_after", ())  # absolute schemes only
+            after = self.pos_schemes[name].insert_after
             if patch_drop and after:
                 # applied between blocks, to the token grid that patch dropout has already thinned (CPE's conv)
                 raise ValueError(
@@ -139,7 +139,7 @@ class VisionPEViT(VisionTransformer):
             self.patch_drop = PatchDropoutWithIndices(
                 kwargs["patch_drop_rate"], num_prefix_tokens=self.num_prefix_tokens
             )
-        if no_embed_class is None and any(getattr(m, "no_embed_class", False) for m in self.pos_schemes.values()):
+        if no_embed_class is None and any(m.no_embed_class for m in self.pos_schemes.values()):
             self.no_embed_class = True  # set through pos_embed_kwargs: keep timm's attribute in step
 
     @torch.jit.ignore
@@ -168,13 +168,13 @@ class VisionPEViT(VisionTransformer):
         )
 
     def _position_modules_after_blocks(self) -> dict[str, int]:
-        """{module name: block index} for position modules that run after one block (CPE's PEGs)."""
-        out = {}
-        for name, scheme in self.pos_schemes.items():
-            after, pegs = getattr(scheme, "insert_after", ()), getattr(scheme, "pegs", None)
-            if after and isinstance(pegs, nn.ModuleList) and len(pegs) == len(after):
-                out.update({f"pos_schemes.{name}.pegs.{j}": block for j, block in enumerate(after)})
-        return out
+        """{module name: block index} for position modules that run after one block (CPE's PEGs), as each scheme
+        declares them (:meth:`~visionpe.base.PositionEncoding.modules_after_blocks`)."""
+        return {
+            f"pos_schemes.{name}.{module}": block
+            for name, scheme in self.pos_schemes.items()
+            for module, block in scheme.modules_after_blocks().items()
+        }
 
     # -- position state -------------------------------------------------------------------------------------
     def _schemes(self, kind: str) -> list[nn.Module]:
@@ -184,13 +184,13 @@ class VisionPEViT(VisionTransformer):
         self, grid_size: tuple[int, ...], device: torch.device, patch_depth: torch.Tensor | None = None
     ) -> PositionContext:
         """Rotary and bias states for ``grid_size``, built once per forward for all blocks; ``patch_depth``
-        (B, N), each patch's mean depth, goes to the schemes that rotate by depth (STRING's ``depth_coords``)."""
+        (B, N), each patch's mean depth, goes to the schemes that declare it among their ``extra_inputs`` (STRING's
+        ``depth_coords``)."""
         ctx = PositionContext()
         for scheme in self._schemes("rotary"):
-            coords = scheme.coords(grid_size, device)
-            if getattr(scheme, "depth_coords", False):
-                coords = scheme.depth_positions(coords, patch_depth)
-            ctx.rotary.append((scheme, scheme.prepare(coords, self.num_prefix_tokens, grid_size=grid_size)))
+            inputs = {"patch_depth": patch_depth} if "patch_depth" in scheme.extra_inputs else {}
+            coords = scheme.model_coords(grid_size, device, **inputs)
+            ctx.rotary.append(scheme.prepare(coords, self.num_prefix_tokens, grid_size=grid_size))
         for scheme in self._schemes("bias"):
             ctx.bias.append((scheme, scheme.prepare(scheme.check_grid(grid_size), self.num_prefix_tokens, device)))
         return ctx
@@ -245,7 +245,7 @@ class VisionPEViT(VisionTransformer):
     def takes_depth(self) -> bool:
         """Whether a position scheme rotates by depth (STRING with ``depth_coords=True``): the forward then needs
         ``depth=`` (B, 1, H, W) or (B, H, W), the depth map of the image."""
-        return any(getattr(scheme, "depth_coords", False) for scheme in self._schemes("rotary"))
+        return any("patch_depth" in scheme.extra_inputs for scheme in self.pos_schemes.values())
 
     def _patch_depth(self, depth: torch.Tensor | None, x: torch.Tensor, grid_size: tuple[int, ...]):
         """(B, N) mean depth of each patch of ``depth`` (B, 1, H, W) or (B, H, W), the depth map of the images x

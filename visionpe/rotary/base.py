@@ -1,6 +1,6 @@
 """Base class for rotary schemes whose angle is linear in position: phi_j(p) = sum_a p_a * F[a, j].
 
-Extrapolation-time scaling (SCHEMES.md A13: PI, NTK-aware, YaRN) acts on F per axis, see :mod:`.scaling`.
+Extrapolation-time scaling (PI, NTK-aware, YaRN) acts on F per axis, see :mod:`.scaling`.
 
 Memory: cos/sin tables are (heads, N, head_dim) per layer, 6 MB each for ViT-S at 1024 px (N = 4097); all
 layers at once would be 300 MB. Schemes with one frequency set for every layer (RoPE-Axial) build their single
@@ -21,32 +21,111 @@ from ..base import RotaryPositionEncoding, check_layer, check_model_shape
 from ..grid import COORD_MODES
 from .functional import apply_rotary, rotary_angles, rotary_tables, rotate_qkv_pairs_
 from .scaling import Extrapolation, scale_frequencies, yarn_attention_factor
+from .state import IdentityRotation, LayerRotation, RotaryState
 
-__all__ = ["LinearRotary", "LayerAngles"]
+__all__ = ["LinearRotary", "LayerAngles", "TableState", "TableRotation"]
+
+
+class TableRotation(LayerRotation):
+    """One block's rotation by interleaved cos/sin tables (:func:`~visionpe.rotary.functional.rotary_tables`):
+    (num_heads | 1, T, head_dim) shared by the images, or (B, num_heads | 1, T, head_dim), one per image."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.cos, self.sin = cos, sin
+        self.num_tokens = cos.shape[-2]
+
+    def rotate(self, qk: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos, self.sin
+        if qk.ndim < 2 or qk.shape[-2] != cos.shape[-2] or qk.shape[-1] != cos.shape[-1]:
+            raise ValueError(
+                f"qk must have shape (..., P + N = {cos.shape[-2]}, head_dim = {cos.shape[-1]}) to match the "
+                f"prepared state (cos/sin {tuple(cos.shape)}), got {tuple(qk.shape)}"
+            )
+        return apply_rotary(qk, cos, sin)
+
+    def kept_tables(self, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (B, num_heads | 1, K, head_dim) at the tokens ``keep`` (B, K) of each sample (int64 indices into
+        the T tokens of the tables)."""
+        cos, sin = self.cos, self.sin
+        if not isinstance(keep, torch.Tensor) or keep.ndim != 2 or keep.dtype != torch.int64:
+            got = f"{tuple(keep.shape)} {keep.dtype}" if isinstance(keep, torch.Tensor) else type(keep).__name__
+            raise ValueError(f"keep must be an int64 (B, K) index of the kept tokens, got {got}")
+        if cos.ndim == 3:  # (num_heads | 1, T, head_dim): the rows of each sample's kept tokens
+            return tuple(table[:, keep].transpose(0, 1) for table in (cos, sin))
+        # per-sample tables (B, num_heads | 1, T, head_dim)
+        if len(cos) != len(keep):
+            raise ValueError(f"keep has {len(keep)} samples but the per-sample tables have {len(cos)}")
+        index = keep[:, None, :, None].expand(-1, cos.shape[1], -1, cos.shape[-1])
+        return cos.gather(2, index), sin.gather(2, index)
+
+    def rotate_kept(self, qk: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The kept rows of the tables, gathered per sample (:meth:`kept_tables`), rotate the kept tokens directly."""
+        cos, sin = self.kept_tables(keep)
+        if qk.ndim < 4 or (qk.shape[-4], qk.shape[-2], qk.shape[-1]) != (cos.shape[0], *cos.shape[-2:]):
+            raise ValueError(
+                f"qk must have shape (..., B={cos.shape[0]}, num_heads, K={cos.shape[-2]}, "
+                f"head_dim={cos.shape[-1]}) for keep {tuple(keep.shape)}, got {tuple(qk.shape)}"
+            )
+        return apply_rotary(qk, cos, sin)
+
+    def rotate_qkv(
+        self, qkv: torch.Tensor, batch: int, num_heads: int, keep: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 in eager mode: q and k rotated in place in the projection output
+        (:func:`~visionpe.rotary.functional.rotate_qkv_pairs_`; the kept rows of the tables under patch dropout),
+        then cut from it; otherwise the default (the real form: low precision, ONNX export, compiled graphs)."""
+        if (
+            qkv.dtype != torch.float32
+            or torch.compiler.is_compiling()
+            or torch.jit.is_tracing()
+            or torch.onnx.is_in_onnx_export()
+        ):
+            return super().rotate_qkv(qkv, batch, num_heads, keep)
+        cos, sin = (self.cos, self.sin) if keep is None else self.kept_tables(keep)
+        return IdentityRotation().rotate_qkv(rotate_qkv_pairs_(qkv, cos, sin, num_heads), batch, num_heads)
+
+
+class TableState(RotaryState):
+    """State of a scheme whose tables serve every block (RoPE-Axial): cos/sin (1, num_heads | 1, T, head_dim) built
+    once per forward."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, depth: int | None, scheme: str) -> None:
+        self.cos, self.sin, self.depth, self.scheme = cos, sin, depth, scheme
+
+    def layer(self, index: int) -> TableRotation:
+        check_layer(index, self.depth, self.scheme)
+        row = index if self.cos.shape[0] > 1 else 0
+        return TableRotation(self.cos[row], self.sin[row])
 
 
 @dataclass(frozen=True)
-class LayerAngles:
-    """Rotary state of a scheme with per-layer frequencies: each layer's cos/sin are built when it applies them.
+class LayerAngles(RotaryState):
+    """State of a scheme with per-layer frequencies: each block's cos/sin are built when it asks for them.
 
     ``coords`` (N, ndim) patch coordinates (or (B, 1, N, ndim) per sample: STRING's RGB-D depth), ``freqs``
-    (depth | 1, num_heads | 1, ndim, head_dim // 2) frequencies
-    after extrapolation scaling, ``mscale`` the YaRN multiplier of the tables; ``LinearRotary.layer_tables``
-    builds one layer's tables from it.
+    (depth | 1, num_heads | 1, ndim, head_dim // 2) frequencies after extrapolation scaling, ``mscale`` the YaRN
+    multiplier of the tables.
     """
 
     coords: torch.Tensor
     freqs: torch.Tensor
     num_prefix_tokens: int
     mscale: float
+    depth: int | None = None
+    scheme: str = "LinearRotary"
+
+    def layer(self, index: int) -> TableRotation:
+        check_layer(index, self.depth, self.scheme)
+        freqs = self.freqs[index if self.freqs.shape[0] > 1 else 0]
+        return TableRotation(*_tables(self.coords, freqs, self.num_prefix_tokens, self.mscale))
 
 
 class LinearRotary(RotaryPositionEncoding, Extrapolation):
     """Subclasses implement :meth:`frequencies`, returning (depth | 1, num_heads | 1, ndim, head_dim // 2).
 
-    ``prepare`` returns the (1, num_heads | 1, P + N, head_dim) cos/sin tables when one frequency set serves
-    every layer, else a :class:`LayerAngles` from which ``apply`` builds the layer's tables (see the module
-    docstring for why).
+    ``prepare`` returns a :class:`TableState` (the (1, num_heads | 1, P + N, head_dim) cos/sin tables) when one
+    frequency set serves every layer, else a :class:`LayerAngles` from which each block builds its own tables
+    (see the module docstring for why); either gives a :class:`TableRotation` per block.
     With ``extrapolation`` set, ``prepare`` rescales the frequencies for the current ``grid_size`` relative to
     the training grid (``grid_size`` at construction); the default ``"none"`` leaves them untouched.
     ``coord_mode`` is one of :data:`~visionpe.grid.COORD_MODES`; ``ref_scaled`` (i * n_train / n, position
@@ -105,95 +184,20 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
 
     def prepare(
         self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor] | LayerAngles:
+    ) -> TableState | LayerAngles:
         freqs, mscale = self.scaled_frequencies(grid_size)
+        name = type(self).__name__
         if coords.ndim == 3:  # per-sample positions (B, N, ndim): (B, num_heads | 1, P + N, head_dim) per layer
-            return LayerAngles(coords.unsqueeze(1), freqs, num_prefix_tokens, mscale)
+            return LayerAngles(coords.unsqueeze(1), freqs, num_prefix_tokens, mscale, self.depth, name)
         if freqs.shape[0] > 1:
-            return LayerAngles(coords, freqs, num_prefix_tokens, mscale)
-        return _tables(coords, freqs, num_prefix_tokens, mscale)
+            return LayerAngles(coords, freqs, num_prefix_tokens, mscale, self.depth, name)
+        return TableState(*_tables(coords, freqs, num_prefix_tokens, mscale), self.depth, name)
 
-    def apply_qkv_(
-        self,
-        qkv: torch.Tensor,
-        state: tuple[torch.Tensor, torch.Tensor] | LayerAngles,
-        layer: int,
-        num_heads: int,
-        keep: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
-        """fp32 in eager mode: q and k rotated in place in the fused projection output
-        (:func:`~visionpe.rotary.functional.rotate_qkv_pairs_`), per image for per-sample tables and with
-        patch dropout's ``keep`` (the kept rows of the tables, as :meth:`apply_kept`); otherwise None
-        (:meth:`apply`: the real form for low precision, ONNX export and compiled graphs)."""
-        if (
-            qkv.dtype != torch.float32
-            or torch.compiler.is_compiling()
-            or torch.jit.is_tracing()
-            or torch.onnx.is_in_onnx_export()
-        ):
-            return None
-        cos, sin = self.layer_tables(state, layer) if keep is None else self.kept_tables(state, layer, keep)
-        return rotate_qkv_pairs_(qkv, cos, sin, num_heads)
-
-    def apply_kept(
-        self,
-        qk: torch.Tensor,
-        state: tuple[torch.Tensor, torch.Tensor] | LayerAngles,
-        layer: int,
-        keep: torch.Tensor,
-    ) -> torch.Tensor:
-        """Patch dropout: the kept rows of the cos/sin tables, gathered per sample (:meth:`kept_tables`), rotate
-        the kept tokens ``qk`` (..., B, num_heads, K, head_dim) directly (see
-        :meth:`~visionpe.base.RotaryPositionEncoding.apply_kept`)."""
-        cos, sin = self.kept_tables(state, layer, keep)
-        if qk.ndim < 4 or (qk.shape[-4], qk.shape[-2], qk.shape[-1]) != (cos.shape[0], *cos.shape[-2:]):
-            raise ValueError(
-                f"qk must have shape (..., B={cos.shape[0]}, num_heads, K={cos.shape[-2]}, "
-                f"head_dim={cos.shape[-1]}) for keep {tuple(keep.shape)}, got {tuple(qk.shape)}"
-            )
-        return apply_rotary(qk, cos, sin)
-
-    def kept_tables(
-        self, state: tuple[torch.Tensor, torch.Tensor] | LayerAngles, layer: int, keep: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (B, num_heads | 1, K, head_dim) of block ``layer`` at the tokens ``keep`` (B, K) of each sample
-        (int64 indices into the P + N tokens of the prepared state)."""
-        cos, sin = self.layer_tables(state, layer)
-        if not isinstance(keep, torch.Tensor) or keep.ndim != 2 or keep.dtype != torch.int64:
-            got = f"{tuple(keep.shape)} {keep.dtype}" if isinstance(keep, torch.Tensor) else type(keep).__name__
-            raise ValueError(f"keep must be an int64 (B, K) index of the kept tokens, got {got}")
-        if cos.ndim == 3:  # (num_heads | 1, T, head_dim): the rows of each sample's kept tokens
-            return tuple(table[:, keep].transpose(0, 1) for table in (cos, sin))
-        # per-sample tables (B, num_heads | 1, T, head_dim)
-        if len(cos) != len(keep):
-            raise ValueError(f"keep has {len(keep)} samples but the per-sample tables have {len(cos)}")
-        index = keep[:, None, :, None].expand(-1, cos.shape[1], -1, cos.shape[-1])
-        return cos.gather(2, index), sin.gather(2, index)
-
-    def layer_tables(
-        self, state: tuple[torch.Tensor, torch.Tensor] | LayerAngles, layer: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_tables(self, state: TableState | LayerAngles, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (num_heads | 1, P + N, head_dim) of block ``layer`` from a ``prepare`` state
         ((B, num_heads | 1, P + N, head_dim) for per-sample positions)."""
-        check_layer(layer, self.depth, type(self).__name__)
-        if isinstance(state, LayerAngles):
-            freqs = state.freqs[layer if state.freqs.shape[0] > 1 else 0]
-            return _tables(state.coords, freqs, state.num_prefix_tokens, state.mscale)
-        cos, sin = state
-        if cos.shape[0] > 1:
-            return cos[layer], sin[layer]
-        return cos[0], sin[0]
-
-    def apply(
-        self, qk: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor] | LayerAngles, layer: int
-    ) -> torch.Tensor:
-        cos, sin = self.layer_tables(state, layer)
-        if qk.ndim < 2 or qk.shape[-2] != cos.shape[-2] or qk.shape[-1] != cos.shape[-1]:
-            raise ValueError(
-                f"qk must have shape (..., P + N = {cos.shape[-2]}, head_dim = {cos.shape[-1]}) to match the "
-                f"prepared state (cos/sin {tuple(cos.shape)}), got {tuple(qk.shape)}"
-            )
-        return apply_rotary(qk, cos, sin)
+        rotation = state.layer(layer)
+        return rotation.cos, rotation.sin
 
 
 def _tables(

@@ -8,7 +8,7 @@ Positions and prefix handling as ComRoPE-AP (:mod:`.comrope_ap`).
 
 Cost: the terms of the exponent commute, so exp(sum_i theta_ij x_i S_j) = prod_i exp(theta_ij x_i S_j): one
 exponential per distinct value of each coordinate (all axes in one series call), then one b x b product per block
-and extra axis (:meth:`ComRoPELD.rotation_plan`) instead of one exponential per token; gradients flow exactly.
+and extra axis (:class:`DependentTables`) instead of one exponential per token; gradients flow exactly.
 When the tokens are a whole grid in row-major order (a Cartesian product of the per-axis values, as patch tokens
 are), the products of a block for all tokens are one (b n_0) x b @ b x (b n_1) matrix product per head and block
 (:func:`grid_product`), also after prefix tokens rotated at one position (the default ``rotate_prefix=True``:
@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from ..registry import register_scheme
-from .comrope_ap import ComRoPEBase, distinct_values
-from .skew_exp import block_skew_expm_layers
+from .block_rotation import TokenRotations
+from .comrope_base import ComRoPEBase, distinct_values
+from .expm import LayerExponentials
 
 __all__ = ["ComRoPELD"]
 
@@ -58,42 +59,62 @@ class ComRoPELD(ComRoPEBase):
 
     def rotation_plan(
         self, coords: torch.Tensor, factors: Sequence[float] | None = None
-    ) -> Callable[[int], Callable[[int, int], torch.Tensor]]:
+    ) -> Callable[[int], TokenRotations]:
         # (L, 1, h, m, b, b) skew blocks, or (L, ndim, h, m, b, b) per axis (NTK / YaRN)
         skew = self.layer_skew_blocks().unsqueeze(1) if factors is None else self.axis_skew_blocks(factors)
         # exp(v theta_aj S_j) for every axis a and distinct coordinate value v (of any axis), in one series per
         # layer (word tables of all layers at once): the axes stack on the head dimension, (L, ndim h, m, 1, b, b)
         # generators theta_aj S_j
         values, inverse = distinct_values(coords)  # inverse: (N, ndim)
-        # per-axis table rows when the tokens after the first `lead` (a rotated prefix, all at one position) are a
-        # whole row-major grid, else None
-        lead, grid = prefix_grid_rows(inverse)
         theta = self.multipliers.transpose(1, 2)[:, :, None, :, None, None]  # (L, ndim, 1, m, 1, 1)
         gen = (skew * theta).flatten(1, 2).unsqueeze(3)
-        build = block_skew_expm_layers(gen, values[:, None], self.series_dtype)
-        last, inverses = len(gen) - 1, inverse.unbind(1)
+        return DependentTables(LayerExponentials(gen, values[:, None], self.series_dtype), inverse, self.ndim).layer
 
-        def plan(layer: int) -> Callable[[int, int], torch.Tensor]:
-            table = build(min(layer, last), 0, len(values)).unflatten(0, (self.ndim, -1))  # (ndim, h, V, m, b, b)
-            tables = table.unbind(0)
 
-            def gather(start: int, stop: int) -> torch.Tensor:
-                rows = tuple(inverse[start:stop] for inverse in inverses)
-                with torch.autocast(coords.device.type, enabled=False):  # the product of the factors stays fp32
-                    if grid is not None and (start, stop) == (0, len(coords)):
-                        factors = [t.index_select(1, r) for t, r in zip(tables, grid, strict=True)]
-                        if not lead:
-                            return grid_product(factors)
-                        # the prefix tokens share one position: one rotation per head and block, repeated
-                        first = _gathered_product(tuple(inverse[:1] for inverse in inverses), tables)
-                        return grid_product(factors, first.expand(-1, lead, -1, -1, -1))
-                    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-                        return _GatheredProduct.apply(rows, *tables)
-                    return _gathered_product(rows, tables)
+class DependentTables:
+    """ComRoPE-LD's exponentials for one forward: exp(v theta_aj S_j) for every axis a and distinct coordinate value
+    v, and ``inverse`` (N, ndim), each token's value per axis."""
 
-            return gather
+    def __init__(self, exponentials: LayerExponentials, inverse: torch.Tensor, ndim: int) -> None:
+        self.exponentials, self.ndim, self.inverses = exponentials, ndim, inverse.unbind(1)
+        # per-axis table rows when the tokens after the first `lead` (a rotated prefix, all at one position) are a
+        # whole row-major grid, else None
+        self.lead, self.grid = prefix_grid_rows(inverse)
 
-        return plan
+    def layer(self, layer: int) -> DependentRotations:
+        exps = self.exponentials
+        table = exps.layer(layer)(0, exps.num_tokens).unflatten(0, (self.ndim, -1))  # (ndim, h, V, m, b, b)
+        return DependentRotations(table.unbind(0), self.inverses, self.lead, self.grid)
+
+
+class DependentRotations(TokenRotations):
+    """Each token's blocks as the product over axes of its per-axis factors ``tables[a][:, inverses[a]]``: one
+    grid product for a whole row-major grid (after a rotated prefix), a gathered product otherwise."""
+
+    def __init__(
+        self,
+        tables: Sequence[torch.Tensor],
+        inverses: Sequence[torch.Tensor],
+        lead: int,
+        grid: list[torch.Tensor] | None,
+    ) -> None:
+        self.tables, self.inverses, self.lead, self.grid = tables, inverses, lead, grid
+        self.num_tokens = len(inverses[0])
+
+    def __call__(self, start: int, stop: int) -> torch.Tensor:
+        tables, inverses, lead, grid = self.tables, self.inverses, self.lead, self.grid
+        rows = tuple(inverse[start:stop] for inverse in inverses)
+        with torch.autocast(tables[0].device.type, enabled=False):  # the product of the factors stays fp32
+            if grid is not None and (start, stop) == (0, self.num_tokens):
+                factors = [t.index_select(1, r) for t, r in zip(tables, grid, strict=True)]
+                if not lead:
+                    return grid_product(factors)
+                # the prefix tokens share one position: one rotation per head and block, repeated
+                first = _gathered_product(tuple(inverse[:1] for inverse in inverses), tables)
+                return grid_product(factors, first.expand(-1, lead, -1, -1, -1))
+            if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+                return _GatheredProduct.apply(rows, *tables)
+            return _gathered_product(rows, tables)
 
 
 def grid_rows(inverse: torch.Tensor) -> list[torch.Tensor] | None:

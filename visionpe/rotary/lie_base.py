@@ -3,10 +3,10 @@
 ``prepare`` keeps the (possibly PI-scaled) coordinates and sets up, once per forward, what every layer's
 exponentials share (:meth:`LieBlockRotary.rotation_plan`: the word tables of all layers and the norms that set
 their squaring counts); ``apply`` exponentiates the layer's generators for all tokens (never per image: positions
-are shared by the batch), by default with the series of :func:`~visionpe.rotary.skew_exp.block_skew_expm_layers` in
+are shared by the batch), by default with the series of :class:`~visionpe.rotary.expm.LayerExponentials` in
 :attr:`LieBlockRotary.series_dtype` (fp32 for LieRE, as the paper; fp64 for ComRoPE, whose exact relative property
 fp32 squarings break), and rotates q and k per block with one batched product
-(:func:`~visionpe.rotary.skew_exp.apply_block_rotation`). ComRoPE overrides :meth:`LieBlockRotary.rotation_plan`
+(:func:`~visionpe.rotary.block_rotation.apply_block_rotation`). ComRoPE overrides :meth:`LieBlockRotary.rotation_plan`
 with its cheaper commuting form (one exponential per distinct coordinate). Without autograd (inference), ``apply``
 builds and applies the rotations a chunk of tokens at a time, so a layer's (h, N, m, b, b) stack and its fp64
 series never exist whole.
@@ -15,39 +15,92 @@ with 2 x 2 blocks (RoPE-Mixed with learned rates, :meth:`LieBlockRotary.scaled_g
 generators do not commute, so no basis turns every token's exponent into a set of planar rotations, and LieRE takes
 PI only. ComRoPE's generators commute, and its subclasses rescale the eigenfrequencies of each block
 (:meth:`rotation_plan` receives the per-axis factors); YaRN's multiplier scales the rotated q and k (:class:`LieState`).
+Each block gets a :class:`BlockRotation` from the state (:mod:`visionpe.rotary.state`).
 """
 
 from __future__ import annotations
 
-import functools
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 
 from ..base import RotaryPositionEncoding, check_layer, check_model_shape
+from .block_rotation import TokenRotations, apply_block_rotation
+from .expm import LayerExponentials, block_skew_expm
 from .scaling import EXTRAPOLATION_MODES, Extrapolation, yarn_attention_factor
-from .skew_exp import (
-    apply_block_rotation,
-    block_skew_expm,
-    block_skew_expm_chunks,
-    block_skew_expm_layers,
-    rotate_qkv_blocks_,
-)
+from .state import IdentityRotation, LayerRotation, RotaryState
 
-__all__ = ["LieBlockRotary", "LieState"]
+__all__ = ["LieBlockRotary", "LieState", "BlockRotation"]
 
 _CHUNK_TOKENS = 512  # tokens rotated at a time without autograd: bounds the (h, n, m, b, b) rotations in memory
 
 
-class LieState(NamedTuple):
+class BlockRotation(LayerRotation):
+    """One block's Lie-group rotation: ``rotations`` of the tokens after ``num_prefix_tokens`` unrotated ones,
+    times YaRN's multiplier ``mscale`` (every token, the prefix too, as RoPE's tables)."""
+
+    def __init__(self, rotations: TokenRotations, num_prefix_tokens: int, mscale: float = 1.0) -> None:
+        self.rotations, self.num_prefix_tokens, self.mscale = rotations, num_prefix_tokens, mscale
+        self.num_tokens = num_prefix_tokens + rotations.num_tokens
+
+    def rotate(self, qk: torch.Tensor) -> torch.Tensor:
+        out = self._rotate_blocks(qk)
+        return out if self.mscale == 1.0 else out * self.mscale
+
+    def _rotate_blocks(self, qk: torch.Tensor) -> torch.Tensor:
+        chunk, num_prefix_tokens, tokens = self.rotations, self.num_prefix_tokens, self.rotations.num_tokens
+        if torch.is_grad_enabled():
+            return apply_block_rotation(qk, chunk(0, tokens), num_prefix_tokens)
+        # no autograd: build and apply the rotations a chunk of tokens at a time, so the (h, N, m, b, b) stack of
+        # the layer (and its fp64 series) never exists whole; the prefix is copied, not rotated by identities
+        if qk.shape[-2] != num_prefix_tokens + tokens:  # let apply_block_rotation raise its shape error
+            return apply_block_rotation(qk, chunk(0, tokens), num_prefix_tokens)
+        if tokens <= _CHUNK_TOKENS and not num_prefix_tokens:
+            return apply_block_rotation(qk, chunk(0, tokens))
+        out = torch.empty_like(qk)
+        out[..., :num_prefix_tokens, :] = qk[..., :num_prefix_tokens, :]
+        for start in range(0, tokens, _CHUNK_TOKENS):
+            stop = min(start + _CHUNK_TOKENS, tokens)
+            rows = slice(num_prefix_tokens + start, num_prefix_tokens + stop)
+            out[..., rows, :] = apply_block_rotation(qk[..., rows, :], chunk(start, stop))
+        return out
+
+    def rotate_qkv(
+        self, qkv: torch.Tensor, batch: int, num_heads: int, keep: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """With autograd in eager mode: q and k rotated in place in the projection output
+        (:meth:`~visionpe.rotary.block_rotation.TokenRotations.rotate_qkv_`), whose backward needs only the rotated
+        vectors, then cut from it. Otherwise the default: without autograd :meth:`rotate` goes a chunk of tokens at
+        a time, and a compiled or traced graph, YaRN's multiplier and patch dropout (``keep``, rotated on the full
+        grid) take the out-of-place form."""
+        if (
+            keep is not None
+            or not torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or torch.jit.is_tracing()
+            or self.mscale != 1.0
+        ):
+            return super().rotate_qkv(qkv, batch, num_heads, keep)
+        qkv = self.rotations.rotate_qkv_(qkv, num_heads, self.num_prefix_tokens, self.num_tokens)
+        return IdentityRotation().rotate_qkv(qkv, batch, num_heads)
+
+
+@dataclass(frozen=True)
+class LieState(RotaryState):
     """What :meth:`LieBlockRotary.prepare` sets up for one forward."""
 
     coords: torch.Tensor  #: (N, ndim) positions of the rotated tokens (PI already applied)
     num_prefix_tokens: int  #: leading tokens left unrotated
-    plan: Callable[[int], Callable[[int, int], torch.Tensor]]  #: :meth:`LieBlockRotary.rotation_plan`
+    plan: Callable[[int], TokenRotations]  #: :meth:`LieBlockRotary.rotation_plan`: block -> its rotations
     mscale: float = 1.0  #: YaRN's multiplier of the rotated q and k (every token, the prefix too, as RoPE's tables)
+    depth: int | None = None
+    scheme: str = "LieBlockRotary"
+
+    def layer(self, index: int) -> BlockRotation:
+        check_layer(index, self.depth, self.scheme)
+        return BlockRotation(self.plan(index), self.num_prefix_tokens, self.mscale)
 
 
 class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
@@ -116,52 +169,36 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
         prefix = self.prefix_coords(num_prefix_tokens, coords) if num_prefix_tokens else None
         if prefix is not None:
             coords, num_prefix_tokens = torch.cat((prefix, coords)), 0
+        name = type(self).__name__
         if factors is None:
-            return LieState(coords, num_prefix_tokens, self.rotation_plan(coords))
+            return LieState(coords, num_prefix_tokens, self.rotation_plan(coords), 1.0, self.depth, name)
         # NTK / YaRN: the generators' frequencies are rescaled (schemes whose generators have them)
         mscale = yarn_attention_factor(factors) if self.extrapolation == "yarn" else 1.0
-        return LieState(coords, num_prefix_tokens, self.rotation_plan(coords, factors), mscale)
+        return LieState(coords, num_prefix_tokens, self.rotation_plan(coords, factors), mscale, self.depth, name)
 
     def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
         """(num_heads | 1, N, num_blocks, b, b) fp32 rotations of block ``layer`` at ``coords`` (N, ndim)."""
         check_layer(layer, self.depth, type(self).__name__)
         return block_skew_expm(self.generators(layer), coords, self.series_dtype)
 
-    def rotation_chunks(self, coords: torch.Tensor, layer: int) -> Callable[[int, int], torch.Tensor]:
-        """``fn(start, stop)``: ``self.rotations(coords, layer)[:, start:stop]``, built for those tokens only.
-
-        Subclasses that override :meth:`rotations` override this too (same values, by token range).
-        """
+    def rotation_chunks(self, coords: torch.Tensor, layer: int) -> TokenRotations:
+        """``fn(start, stop)``: ``self.rotations(coords, layer)[:, start:stop]``, built for those tokens only."""
         check_layer(layer, self.depth, type(self).__name__)
-        return block_skew_expm_chunks(self.generators(layer), coords, self.series_dtype)
+        return LayerExponentials(self.generators(layer).unsqueeze(0), coords, self.series_dtype).layer(0)
 
     def rotation_plan(
         self, coords: torch.Tensor, factors: Sequence[float] | None = None
-    ) -> Callable[[int], Callable[[int, int], torch.Tensor]]:
-        """``plan(layer)`` is :meth:`rotation_chunks` ``(coords, layer)``; built once per forward (in
-        :meth:`prepare`), it sets up what every layer needs at once: the word tables of all layers' series and
-        the norms that set their squaring counts (:func:`~visionpe.rotary.skew_exp.block_skew_expm_layers`).
-        ``factors``: per-axis NTK / YaRN factors; the generators' rates are rescaled (:meth:`scaled_generators`,
-        2 x 2 blocks only).
-
-        Subclasses that override :meth:`rotation_chunks` override this too. A chunk function may carry
-        ``rotate_qkv_(qkv, num_heads, num_prefix_tokens, tokens)``, which :meth:`apply_qkv_` then calls instead of
-        building the rotations: this one squares and rotates in one step that keeps only the series for the
-        backward.
+    ) -> Callable[[int], TokenRotations]:
+        """``plan(layer)`` is layer ``layer``'s :class:`~visionpe.rotary.block_rotation.TokenRotations` at
+        ``coords``; built once per forward (in :meth:`prepare`), it sets up what every layer needs at once: the word
+        tables of all layers' series and the norms that set their squaring counts
+        (:class:`~visionpe.rotary.expm.LayerExponentials`). ``factors``: per-axis NTK / YaRN factors; the
+        generators' rates are rescaled (:meth:`scaled_generators`, 2 x 2 blocks only).
         """
         generators = self.layer_generators()
         if factors is not None:
             generators = self.scaled_generators(generators, factors)
-        build, last = block_skew_expm_layers(generators, coords, self.series_dtype), len(generators) - 1
-        rotate = getattr(build, "rotate_qkv_", None)  # tokens-last stacks only (not 2 x 2 blocks, not small stacks)
-
-        def plan(layer: int) -> Callable[[int, int], torch.Tensor]:
-            chunk = functools.partial(build, min(layer, last))
-            if rotate is not None:
-                chunk.rotate_qkv_ = functools.partial(rotate, min(layer, last))
-            return chunk
-
-        return plan
+        return LayerExponentials(generators, coords, self.series_dtype).layer
 
     def scaled_generators(self, generators: torch.Tensor, factors: Sequence[float]) -> torch.Tensor:
         """``generators`` (..., m, ndim, 2, 2) with every rate rescaled by the NTK or YaRN rule of the current mode.
@@ -178,48 +215,3 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
             )
         ratio = self.frequency_multipliers(generators[..., 1, 0].transpose(-1, -2), factors)  # (..., ndim, m)
         return generators * ratio.transpose(-1, -2)[..., None, None]
-
-    def apply(self, qk: torch.Tensor, state: LieState, layer: int) -> torch.Tensor:
-        check_layer(layer, self.depth, type(self).__name__)
-        out = self._rotate_blocks(qk, state, layer)
-        return out if state.mscale == 1.0 else out * state.mscale
-
-    def _rotate_blocks(self, qk: torch.Tensor, state: LieState, layer: int) -> torch.Tensor:
-        coords, num_prefix_tokens, plan, _ = state
-        chunk = plan(layer)
-        if torch.is_grad_enabled():
-            return apply_block_rotation(qk, chunk(0, len(coords)), num_prefix_tokens)
-        # no autograd: build and apply the rotations a chunk of tokens at a time, so the (h, N, m, b, b) stack of
-        # the layer (and its fp64 series) never exists whole; the prefix is copied, not rotated by identities
-        tokens = len(coords)
-        if qk.shape[-2] != num_prefix_tokens + tokens:  # let apply_block_rotation raise its shape error
-            return apply_block_rotation(qk, chunk(0, tokens), num_prefix_tokens)
-        if tokens <= _CHUNK_TOKENS and not num_prefix_tokens:
-            return apply_block_rotation(qk, chunk(0, tokens))
-        out = torch.empty_like(qk)
-        out[..., :num_prefix_tokens, :] = qk[..., :num_prefix_tokens, :]
-        for start in range(0, tokens, _CHUNK_TOKENS):
-            stop = min(start + _CHUNK_TOKENS, tokens)
-            rows = slice(num_prefix_tokens + start, num_prefix_tokens + stop)
-            out[..., rows, :] = apply_block_rotation(qk[..., rows, :], chunk(start, stop))
-        return out
-
-    def apply_qkv_(
-        self, qkv: torch.Tensor, state: LieState, layer: int, num_heads: int, keep: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
-        """With autograd in eager mode: q and k rotated in place in the fused projection output
-        (:func:`~visionpe.rotary.skew_exp.rotate_qkv_blocks_`), whose backward needs only the rotated vectors.
-        Otherwise None: without autograd :meth:`apply` rotates a chunk of tokens at a time, and a compiled or
-        traced graph, or YaRN's multiplier, takes the out-of-place :meth:`apply`, and patch dropout (``keep``) the
-        full grid (:meth:`~visionpe.base.RotaryPositionEncoding.apply_kept`'s default)."""
-        check_layer(layer, self.depth, type(self).__name__)
-        coords, num_prefix_tokens, plan, mscale = state
-        if keep is not None:
-            return None
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or torch.jit.is_tracing() or mscale != 1.0:
-            return None
-        chunk, tokens = plan(layer), num_prefix_tokens + len(coords)
-        rotate = getattr(chunk, "rotate_qkv_", None)  # a plan that rotates without keeping the rotations
-        if rotate is not None:
-            return rotate(qkv, num_heads, num_prefix_tokens, tokens)
-        return rotate_qkv_blocks_(qkv, chunk(0, len(coords)), num_heads, num_prefix_tokens, tokens)

@@ -18,8 +18,8 @@ from torch import nn
 
 from ..base import check_layer
 from ..registry import register_scheme
+from .expm import skew_from_params
 from .lie_base import LieBlockRotary
-from .skew_exp import skew_from_params
 
 __all__ = ["LieRE"]
 

@@ -46,7 +46,7 @@ class RopeMixed(LinearRotary):
         coord_mode: grid convention (``index`` as in the paper).
         grid_size: training grid (the model passes it); the reference of ``extrapolation``.
         extrapolation: ``none`` (default), ``pi``, ``ntk`` or ``yarn``; each component f_{a,n} is scaled with its
-            own axis wavelength 2 pi / |f_{a,n}| (SCHEMES.md A13).
+            own axis wavelength 2 pi / |f_{a,n}| (see :mod:`visionpe.rotary.scaling`).
         yarn_alpha, yarn_beta: YaRN ramp bounds.
     """
 

@@ -1,4 +1,4 @@
-"""Inference-time per-axis position scaling for rotary schemes (SCHEMES.md A13).
+"""Inference-time per-axis position scaling for rotary schemes.
 
 Train on grid (H0, W0), test on (H, W): per-axis factors s_a = max(1, n_a / n0_a) (s_t too for video).
 

@@ -6,7 +6,7 @@ Fourier basis F (rows: DC, Nyquist, then Re and Im of bins 1..d/2-1) R(r) = F^T 
 phi_m(r) = sum_k 2 r_k Im FFT(c_k)_m. The scheme runs that form: one d x d product and RoPE, exactly relative.
 
 ``apply`` (used in attention) returns RoPE(phi) F z = F R(r) z: attention scores are exactly those of R(r), and
-F, like Cayley-STRING's P, folds into W_q, W_k (:func:`~visionpe.rotary.string_cayley.fold_string_`).
+F, like Cayley-STRING's P, folds into W_q, W_k (:func:`~visionpe.rotary.string_base.fold_string_`).
 ``rotate`` returns R(r) z itself; :func:`circulant_string_fft` is the FFT form of the paper.
 Init of c_k is not published [visionpe]: the spectrum of axial RoPE (base 100), the bins split between axes.
 """
@@ -21,8 +21,8 @@ from torch import nn
 
 from ..base import check_rotate_input
 from ..registry import register_scheme
-from .rope_axial import axial_frequencies, check_base
-from .string_cayley import StringBase
+from .frequencies import axial_frequencies, check_base
+from .string_base import StringBase
 
 __all__ = ["StringCirculant", "fourier_basis", "circulant_string_fft", "circulant_generator"]
 
@@ -90,7 +90,7 @@ class StringCirculant(StringBase):
         base: base of the axial spectrum c_k starts from.
         ndim: 2 for images, 3 for (t, y, x) video or (z, y, x) RGB-D positions passed to ``rotate``.
         coord_mode: grid convention (``index``).
-        grid_size, extrapolation, yarn_alpha, yarn_beta: training grid and A13 scaling of phi.
+        grid_size, extrapolation, yarn_alpha, yarn_beta: training grid and extrapolation scaling of phi.
         depth_coords: RGB-D positions (z, y, x) on a 2D image grid, as
             :class:`~visionpe.rotary.string_cayley.StringCayley`.
     """

@@ -1,0 +1,214 @@
+"""What ComRoPE-AP and ComRoPE-LD share (Yu et al., "ComRoPE: Scalable and Robust Rotary Position Embedding
+Parameterized by Trainable Commuting Angle Matrices", CVPR 2025): options, positions, prefix handling, the
+training augmentations and the eigenfrequency rescaling for extrapolation. See :mod:`.comrope_ap` for the scheme.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..base import check_layer
+from ..grid import grid_coords, validate_count
+from .block_rotation import TokenRotations
+from .lie_base import LieBlockRotary
+from .scaling import EXTRAPOLATION_MODES
+
+__all__ = ["ComRoPEBase", "POS_NORMS", "distinct_values"]
+
+POS_NORMS = ("test_grid", "train_grid")
+
+
+def distinct_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.unique(x, return_inverse=True)``: the exponentials are built once per distinct coordinate value.
+
+    Under ``torch.export`` (where the count of distinct values would be a data-dependent shape) every entry is
+    its own value: the same rotations, one exponential per entry.
+    """
+    if torch.compiler.is_exporting():
+        return x.flatten(), torch.arange(x.numel(), device=x.device).view(x.shape)
+    return torch.unique(x, return_inverse=True)
+
+
+class ComRoPEBase(LieBlockRotary):
+    """Common ComRoPE options and constructor (arguments: :class:`ComRoPEAP`); subclasses build the commuting
+    generators from the blocks P in :meth:`init_generators`."""
+
+    _scales_own_coords = True
+    supported_extrapolation = EXTRAPOLATION_MODES  # the blocks' eigenfrequencies (axis_skew_blocks)
+    # exact relative property to 1e-5: each squaring doubles the error before it, so exponentials run in fp64
+    # (cheap here: one per distinct coordinate value)
+    series_dtype = torch.float64
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        depth: int = 1,
+        block_size: int = 8,
+        ndim: int = 2,
+        init_std: float = 1.0,
+        pos_norm: str = "test_grid",
+        rotate_prefix: bool = True,
+        grid_size: Sequence[int] | None = None,
+        extrapolation: str = "none",
+        jitter_std: float = 0.0,
+        offset_std: float = 0.0,
+    ) -> None:
+        if pos_norm not in POS_NORMS:
+            raise ValueError(f"pos_norm must be one of {POS_NORMS}, got {pos_norm!r}")
+        if pos_norm == "train_grid" and grid_size is None:
+            raise ValueError("pos_norm='train_grid' needs grid_size (the training grid), got None")
+        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not 0 <= init_std < math.inf:
+            raise ValueError(f"init_std must be a finite non-negative number, got {init_std!r}")
+        if not isinstance(rotate_prefix, bool):  # bool("no") is True
+            raise ValueError(f"rotate_prefix must be a bool, got {rotate_prefix!r}")
+        for name, value in (("jitter_std", jitter_std), ("offset_std", offset_std)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
+        self.pos_norm = pos_norm
+        super().__init__(dim, num_heads, depth, block_size, ndim, grid_size, extrapolation)
+        self.rotate_prefix, self.init_std = bool(rotate_prefix), float(init_std)
+        self.jitter_std, self.offset_std = float(jitter_std), float(offset_std)
+        self.coord_mode = "normalized"
+        self.blocks = nn.Parameter(torch.randn(depth, num_heads, self.num_blocks, block_size, block_size) * init_std)
+        self.init_generators()
+
+    @abstractmethod
+    def init_generators(self) -> None:
+        """The variant's own parameters and buffers, after the common ones (called by the constructor)."""
+
+    def extrapolation_refusal(self, mode: str, train_grid_size: tuple[int, ...] | None = None) -> str | None:
+        if mode != "none" and self.pos_norm == "test_grid":
+            return (
+                f"extrapolation={mode!r} with pos_norm='test_grid' would scale twice: positions normalised by the "
+                "test grid already interpolate; use pos_norm='train_grid'"
+            )
+        return super().extrapolation_refusal(mode, train_grid_size)
+
+    def coords(self, grid_size: tuple[int, ...], device=None) -> torch.Tensor:
+        grid_size = self.check_grid(grid_size)
+        if self.pos_norm == "test_grid":
+            return grid_coords(grid_size, mode="normalized", device=device)
+        ref = torch.tensor(self.train_grid_size, dtype=torch.float32, device=device)
+        return (grid_coords(grid_size, mode="index", device=device) + 0.5) / ref
+
+    def prefix_coords(
+        self, num_prefix_tokens: int, coords: torch.Tensor, grid_size: Sequence[int] | None = None
+    ) -> torch.Tensor | None:
+        """(num_prefix_tokens, ndim) positions of the prefix tokens, all at the centre of the grid, or None
+        (``rotate_prefix=False``: the identity).
+
+        The centre is 0.5 per axis with ``pos_norm='test_grid'``; with ``'train_grid'`` it is n_a / (2 n_train_a)
+        for ``grid_size`` (0.5 on the training grid), or without ``grid_size`` the middle of the extent of
+        ``coords`` (the same for a whole grid).
+        """
+        if not self.rotate_prefix:
+            return None
+        if self.pos_norm == "test_grid":
+            centre = coords.new_full((coords.shape[1],), 0.5)
+        elif grid_size is not None:
+            sizes = torch.tensor(tuple(grid_size), dtype=torch.float64) / torch.tensor(self.train_grid_size)
+            centre = (sizes / 2).to(coords)
+        elif len(coords):
+            centre = (coords.amin(0) + coords.amax(0)) / 2
+        else:
+            centre = coords.new_full((coords.shape[1],), 0.5)
+        return centre.expand(num_prefix_tokens, -1)
+
+    def prepare(self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None):
+        """As :meth:`LieBlockRotary.prepare`, with the prefix tokens placed at the grid centre
+        (``rotate_prefix=True``: they are then rotated like patch tokens and the state has no unrotated prefix),
+        and in training mode the augmentations (:meth:`augment`) applied to the positions first."""
+        validate_count(num_prefix_tokens, "num_prefix_tokens")
+        grid_size = None if grid_size is None else self.check_grid(grid_size)  # sets the prefix centre and cells
+        coords = coords.float()
+        prefix = self.prefix_coords(num_prefix_tokens, coords, grid_size) if num_prefix_tokens else None
+        if prefix is not None:
+            coords, num_prefix_tokens, rotated = torch.cat((prefix, coords)), 0, len(prefix)
+        else:
+            rotated = 0
+        if self.training and (self.jitter_std or self.offset_std):
+            coords = self.augment(coords, rotated, grid_size)
+        return super().prepare(coords, num_prefix_tokens, grid_size)
+
+    def cell_sizes(self, coords: torch.Tensor, grid_size: Sequence[int] | None = None) -> torch.Tensor:
+        """(ndim,) width of one grid cell per axis in the units of the positions: 1 / n_train_a with
+        ``pos_norm='train_grid'``, 1 / n_a with ``'test_grid'`` (n from ``grid_size``, or without it the count of
+        distinct values of each axis of ``coords``: the grid side for a whole grid)."""
+        if self.pos_norm == "train_grid":
+            sides = torch.tensor(self.train_grid_size, dtype=torch.float32, device=coords.device)
+        elif grid_size is not None:
+            sides = torch.tensor(tuple(grid_size), dtype=torch.float32, device=coords.device)
+        else:
+            sides = torch.tensor([len(torch.unique(c)) for c in coords.unbind(1)], dtype=torch.float32)
+        return 1.0 / sides.to(coords.device).clamp_min(1)
+
+    def augment(
+        self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """The reference's training augmentations of the positions ``coords`` (P + N, ndim), whose first
+        ``num_prefix_tokens`` rows are (rotated) prefix tokens: every patch position moves by Gaussian jitter of
+        std ``jitter_std`` cells clamped to +-0.5 cell (the time axis of a 3D grid is not jittered, as in the
+        reference), then every token, prefix included, by one global offset ~ N(0, offset_std^2) per axis.
+
+        Called by :meth:`prepare` in training mode only; returns ``coords`` unchanged when both are 0.
+        """
+        if self.jitter_std and len(coords) > num_prefix_tokens:
+            patches = coords[num_prefix_tokens:]
+            noise = (torch.randn_like(patches) * self.jitter_std).clamp(-0.5, 0.5) * self.cell_sizes(patches, grid_size)
+            if self.ndim == 3:  # (t, y, x): frames are not jittered
+                noise[:, 0] = 0
+            coords = torch.cat((coords[:num_prefix_tokens], patches + noise))
+        if self.offset_std:
+            coords = coords + torch.randn(coords.shape[1], device=coords.device) * self.offset_std
+        return coords
+
+    def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
+        return self.rotation_chunks(coords, layer)(0, len(coords))
+
+    def rotation_chunks(self, coords: torch.Tensor, layer: int) -> TokenRotations:
+        check_layer(layer, self.depth, type(self).__name__)
+        return self.rotation_plan(coords)(layer)
+
+    def skew_blocks(self, layer: int) -> torch.Tensor:
+        """(num_heads, m, b, b) skew blocks P_j - P_j^T of block ``layer``."""
+        p = self.blocks[layer if self.blocks.shape[0] > 1 else 0]
+        return p - p.transpose(-1, -2)
+
+    def layer_skew_blocks(self) -> torch.Tensor:
+        """(L, num_heads, m, b, b) skew blocks of every layer."""
+        return self.blocks - self.blocks.transpose(-1, -2)
+
+    @abstractmethod
+    def axis_coefficients(self) -> torch.Tensor:
+        """(L | 1, ndim, m): along axis a, block j's exponent is ``coefficient[a, j] * x_a`` times its skew block."""
+
+    def axis_skew_blocks(self, factors: Sequence[float]) -> torch.Tensor:
+        """(L, ndim, num_heads, m, b, b) float64: per axis a, every skew block S with each eigenfrequency rescaled
+        by the NTK or YaRN rule of the current mode for the per-axis ``factors``.
+
+        The frequency of plane k of block j along axis a, per grid cell, is |c_aj| omega_k / n0_a (positions are
+        (i + 0.5) / n0_a), which is what :func:`~visionpe.rotary.scaling.scale_frequencies` rescales (NTK's band
+        index per axis, layer and head; YaRN's turns over the training grid). The eigenbasis comes from
+        ``eigh(S^2)`` (S^2 = -S^T S has eigenvalues -omega_k^2), in fp64 and without gradient: as the frequency
+        rules do for learned frequencies, the factor phi_a(S^2) is a constant of the backward, and gradients flow
+        through S.
+        """
+        skew = self.layer_skew_blocks()
+        with torch.no_grad():
+            square = skew.detach().double()
+            eigvals, basis = torch.linalg.eigh(square @ square)  # (L, h, m, b), columns of basis
+            omega = (-eigvals).clamp_min(0).sqrt()  # each plane's frequency twice (and 0 for a fixed direction)
+            cells = torch.tensor(self.train_grid_size, dtype=torch.float64, device=skew.device)
+            coeff = self.axis_coefficients().detach().double() / cells[:, None]  # (L | 1, ndim, m)
+            freqs = coeff[:, None, :, :, None] * omega[:, :, None]  # (L, h, ndim, m, b)
+            ratio = self.frequency_multipliers(freqs.flatten(-2), factors).view_as(freqs)
+            # phi_a(S^2) = U diag(ratio) U^T, per axis
+            phi = (basis.unsqueeze(2) * ratio.unsqueeze(-2)) @ basis.unsqueeze(2).transpose(-1, -2)
+        out = skew.double().unsqueeze(2) @ phi  # (L, h, ndim, m, b, b)
+        return ((out - out.transpose(-1, -2)) / 2).transpose(1, 2)  # skew to rounding; (L, ndim, h, m, b, b)
