@@ -3,21 +3,57 @@
 # training-step benchmark with profiles (bench/throughput.py, synthetic images), then the smoke benchmark of the
 # ImageNet pipeline, every scheme, bf16; about 9 minutes in all on one H200 (2026-12-04: data loading holds each
 # scheme to about 430 images/s in the pipeline, 20 s per scheme at 60 steps).
-# Usage: bash bench/gpu_smoke.sh [--steps 60] [--batch 128] [--schemes rope_axial rope_mixed]
+# Usage: bash bench/gpu_smoke.sh [--out DIR] [--dry-run] [--steps 60] [--batch 128] [--schemes rope_axial rope_mixed]
+#   --out DIR   folder of the result files: gpu_checks.{md,csv} and throughput.{md,csv} (bench/results.py), the
+#               smoke benchmark's own files if bench/gpu_smoke.py takes --out, and each step's printed log
+#               (default runs/gpu_results, which git ignores; copy the files into docs/benchmarks/results/ by hand)
+#   --dry-run   on CPU, one scheme at 32 px: the checks and the training-step benchmark run and write their files;
+#               the smoke benchmark only parses its options (its 20 warm-up steps need a GPU to be quick)
+# Other options go to bench/gpu_smoke.py.
 # On a machine that cannot reach the package registries but has PyTorch, timm and Lightning (a lent GPU box):
-#   PYTHON=python3 bash bench/gpu_smoke.sh   # no set-up; visionpe is imported from this checkout
+#   PYTHON=python3 bash bench/gpu_smoke.sh --out "$OUT"   # no set-up; visionpe is imported from this checkout
 set -euo pipefail
 cd "$(dirname "$0")/.."
+out=runs/gpu_results
+dry=0
+smoke_args=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --out) out=$2; shift 2 ;;
+        --out=*) out=${1#--out=}; shift ;;
+        --dry-run) dry=1; shift ;;
+        *) smoke_args+=("$1"); shift ;;
+    esac
+done
 if [ -n "${PYTHON:-}" ]; then
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
     bash scripts/setup.sh
     PYTHON=.venv/bin/python
 fi
+mkdir -p "$out"
+if grep -q -- '"--out"' bench/gpu_smoke.py; then
+    smoke_args+=(--out "$out")
+fi
+if [ "$dry" = 1 ]; then
+    checks=(--device cpu --schemes rope_axial --size 32 --value-size 32 --memory-size 32)
+    step=(--device cpu --schemes rope_axial --precision bf16 --batch 1 --size 32 --steps 2 --rounds 1 --warmup 0)
+else
+    checks=()
+    step=(--device cuda --precision bf16 --batch 128 --steps 5 --rounds 5)
+fi
 status=0
-timeout 150 "$PYTHON" bench/gpu_checks.py || status=$?  # the benchmarks still run; its status is kept
-# the training step alone (synthetic images), with kernels and GPU time per step; about a minute and a half
-timeout 180 "$PYTHON" bench/throughput.py --device cuda --precision bf16 --batch 128 --steps 5 --rounds 5 --profile \
+# the benchmarks still run when a check fails; its status is kept
+timeout 150 "$PYTHON" bench/gpu_checks.py ${checks[@]+"${checks[@]}"} --out "$out" 2>&1 | tee "$out/gpu_checks.log" \
     || status=$?
-timeout 480 "$PYTHON" bench/gpu_smoke.py "$@"
+# the training step alone (synthetic images), with kernels and GPU time per step; about a minute and a half
+timeout 180 "$PYTHON" bench/throughput.py "${step[@]}" --profile --out "$out" 2>&1 | tee "$out/throughput.log" \
+    || status=$?
+if [ "$dry" = 1 ]; then
+    "$PYTHON" bench/gpu_smoke.py --help > /dev/null
+    echo "dry run: bench/gpu_smoke.py parses its options; not run on CPU"
+else
+    timeout 480 "$PYTHON" bench/gpu_smoke.py ${smoke_args[@]+"${smoke_args[@]}"} 2>&1 | tee "$out/gpu_smoke.log"
+fi
+echo "result files in $out:" && ls "$out"
 exit "$status"

@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    python bench/memory.py                     # ViT-S/16, 1024x1024, batch 1, every scheme
+    python bench/memory.py                     # ViT-S/16, 1024x1024, batch 1, every scheme; writes memory.md/.csv
     python bench/memory.py --schemes irpe lookhere --size 512
 
 What is measured: each model runs in its own subprocess (so allocator caches and earlier peaks cannot leak
@@ -12,6 +12,9 @@ size (RSS), resets the kernel's peak-RSS counter (``/proc/self/clear_refs``, Lin
 it: everything the forward allocates (activations, attention biases, bucket maps, temporary buffers), not the
 parameters or the Python/torch baseline, which are the same for every scheme. The reference is timm's
 ``vit_small_patch16_224`` (fused attention) at the same size in the same run; the ratio is scheme / timm.
+
+The table printed is also written to ``<--out>/memory.md`` and ``memory.csv`` (default ``docs/benchmarks/results``;
+``bench/results.py`` puts the date, commit, versions, device and command on the Markdown file's first line).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.results import DEFAULT_OUT, ROOT, write_results  # noqa: E402
 
 REFERENCE = "timm"
 
@@ -40,7 +46,6 @@ def worker(scheme: str, size: int, batch: int, model_size: str, threads: int) ->
     import timm
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import visionpe  # noqa: F401  (registers the visionpe models)
 
     torch.set_num_threads(threads)
@@ -73,6 +78,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--schemes", nargs="*", help="scheme names (default: visionpe.list_schemes())")
     parser.add_argument("--target", type=float, default=1.5, help="ratio to flag as exceeded")
+    parser.add_argument("--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of memory.md and .csv ({DEFAULT_OUT})")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     for name in ("size", "batch", "threads"):
@@ -90,7 +96,6 @@ def main() -> None:
     if args.schemes:
         schemes = args.schemes
     else:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         import visionpe
 
         schemes = visionpe.list_schemes()
@@ -119,18 +124,30 @@ def main() -> None:
 
     tokens = (args.size // 16) ** 2
     ref = results[REFERENCE].get("growth_mb")
-    print(
-        f"\nForward peak memory, ViT-{args.model[0].upper()}/16 at {args.size}x{args.size} ({tokens} patches), "
-        f"batch {args.batch}, inference mode, CPU (peak RSS growth during the forward)\n"
+    setting = (
+        f"Forward peak memory, ViT-{args.model[0].upper()}/16 at {args.size}x{args.size} ({tokens} patches), "
+        f"batch {args.batch}, inference mode, CPU (peak RSS growth during the forward)"
     )
+    print(f"\n{setting}\n")
     print("| scheme | peak MB | ratio vs timm | forward s |\n|---|---:|---:|---:|")
+    rows = []
     for scheme, res in results.items():
         if "error" in res:
             print(f"| {scheme} | error: {res['error']} | | |")
+            rows.append([scheme, None, None, None, f"error: {res['error']}"])
             continue
         ratio = res["growth_mb"] / ref if ref else float("nan")
         flag = "" if scheme == REFERENCE or ratio <= args.target else f" (> {args.target}x)"
         print(f"| {scheme} | {res['growth_mb']:.0f} | {ratio:.2f}{flag} | {res['seconds']:.1f} |")
+        rows.append([scheme, res["growth_mb"], ratio, res["seconds"], flag.strip(" ()")])
+    notes = (
+        f"{setting}, {args.threads} thread(s); each model in its own process; ratio = scheme / timm "
+        f"vit_{args.model}_patch16_224, noted when above the {args.target}x target."
+    )
+    columns = ["scheme", "peak MB", "ratio vs timm", "forward s", "note"]
+    formats = {"peak MB": ".0f", "ratio vs timm": ".2f", "forward s": ".1f"}
+    paths = write_results("memory", rows, columns, out_dir=args.out, notes=notes, formats=formats)
+    print("wrote " + ", ".join(str(p) for p in paths))
 
 
 if __name__ == "__main__":

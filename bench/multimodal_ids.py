@@ -7,21 +7,33 @@ round times a block of back-to-back calls per function, alternating the two; the
 over the rounds of the per-call wall time and process CPU time are reported (on a shared machine the
 minimum is the steadier estimate of the cost), with the ratio transformers / visionpe.
 
-    .venv/bin/python bench/multimodal_ids.py
+    .venv/bin/python bench/multimodal_ids.py   # writes docs/benchmarks/results/multimodal_ids.md and .csv
     .venv/bin/python bench/multimodal_ids.py --batch 16 --tokens 1000 --images 3 --rounds 15 --calls 10
+
+The table printed is also written to ``<--out>/multimodal_ids.md`` and ``multimodal_ids.csv`` (``bench/results.py``:
+the date, commit, versions, device and command on the first line of the Markdown file).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 
-from visionpe.multimodal import get_position_ids
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.results import DEFAULT_OUT, ROOT, write_results  # noqa: E402
+from visionpe.multimodal import get_position_ids  # noqa: E402
+
+FUNCTIONS = {
+    "transformers": "Qwen2VLModel.get_rope_index",
+    "visionpe": "visionpe.multimodal.get_position_ids",
+}
 
 
 def make_batch(batch: int, tokens: int, images: int, seed: int = 0):
@@ -70,6 +82,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=10, help="back-to-back calls per timed block")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: fair on a shared box)")
+    parser.add_argument(
+        "--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of multimodal_ids.md and .csv (default {DEFAULT_OUT})"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     types, mask, grids = make_batch(args.batch, args.tokens, args.images)
@@ -101,11 +116,11 @@ def main() -> None:
             wall[name].append((time.perf_counter() - start) / args.calls)
             cpu[name].append((time.process_time() - start_cpu) / args.calls)
     lengths = mask.sum(1)
-    print(
+    setting = (
         f"batch {args.batch} x {types.shape[1]} tokens (valid {int(lengths.min())}-{int(lengths.max())}), "
-        f"{args.images} images each, {args.rounds} rounds of {args.calls} calls, {args.threads} thread(s); "
-        f"identical output: {identical}"
+        f"{args.images} images each, {args.rounds} rounds of {args.calls} calls, {args.threads} thread(s)"
     )
+    print(f"{setting}; identical output: {identical}")
     print(f"  {'ms':<13} {'wall min':>9} {'wall med':>9} {'cpu min':>9} {'cpu med':>9}")
     stats = {}
     for name in wall:
@@ -113,6 +128,15 @@ def main() -> None:
         print(f"  {name:<13} " + " ".join(f"{v * 1e3:9.2f}" for v in stats[name]))
     ratios = [t / v for t, v in zip(stats["transformers"], stats["visionpe"], strict=True)]
     print(f"  {'speed-up':<13} " + " ".join(f"{r:8.1f}x" for r in ratios))
+    columns = ["function", "wall min ms", "wall median ms", "cpu min ms", "cpu median ms"]
+    rows = [[f"{name} ({label})", *(f"{v * 1e3:.2f}" for v in stats[name])] for name, label in FUNCTIONS.items()]
+    rows.append(["speed-up (transformers / visionpe)", *(f"{r:.1f}" for r in ratios)])
+    notes = (
+        f"Qwen2-VL M-RoPE position ids, {setting}; identical ids and deltas from both: {identical}. "
+        "Per-call wall and process CPU time, minimum and median over the rounds."
+    )
+    paths = write_results("multimodal_ids", rows, columns, out_dir=args.out, notes=notes)
+    print("wrote " + ", ".join(str(p) for p in paths))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    python bench/saved_memory.py                       # ViT-S/16, 224, batch 8, every scheme
+    python bench/saved_memory.py                       # ViT-S/16, 224, batch 8, every scheme; writes saved_memory.*
     python bench/saved_memory.py --schemes liere string_cayley --batch 16
 
 What is measured: the bytes of every distinct storage that autograd saves during one training forward (a
@@ -14,6 +14,10 @@ timing, so unlike ``bench/throughput.py`` it is exact and repeatable. Weights th
 backward count too (about 88 MB for ViT-S, alike for every model); a weight made for the forward, such as
 STRING's P W_q, counts as the new memory it is. The reference is timm's
 ``vit_small_patch16_224``; the ratio is scheme / timm, and the extra MB per block is (scheme - timm) / depth.
+
+The table printed is also written to ``<--out>/saved_memory.md`` and ``saved_memory.csv`` (default
+``docs/benchmarks/results``; ``bench/results.py`` puts the date, commit, versions, device and command on the
+Markdown file's first line).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import visionpe  # noqa: E402  (registers the visionpe models)
+from bench.results import DEFAULT_OUT, ROOT, write_results  # noqa: E402
 
 REFERENCE = "timm vit_small_patch16_224"
 
@@ -51,6 +56,9 @@ def main() -> None:
     parser.add_argument("--schemes", nargs="*", default=None, help="scheme names (default: every scheme)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--size", type=int, default=224)
+    parser.add_argument(
+        "--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of saved_memory.md and .csv (default {DEFAULT_OUT})"
+    )
     args = parser.parse_args()
     if args.batch < 1 or args.size < 16:
         raise ValueError(f"--batch must be >= 1 and --size >= 16, got {args.batch}, {args.size}")
@@ -60,15 +68,26 @@ def main() -> None:
     reference = timm.create_model("vit_small_patch16_224", img_size=args.size)
     base = saved_bytes(reference, images)
     depth = len(reference.blocks)
-    print(f"torch {torch.__version__}, batch {args.batch}, {args.size}px, training forward (fp32)")
+    setting = f"batch {args.batch}, {args.size}px, training forward (fp32)"
+    print(f"torch {torch.__version__}, {setting}")
     print("| model | saved for backward, MB | ratio to timm | extra MB per block |")
     print("|---|---:|---:|---:|")
     print(f"| {REFERENCE} | {base / 2**20:.0f} | 1.00 | 0.0 |")
+    rows = [[REFERENCE, base / 2**20, 1.0, 0.0]]
     for scheme in schemes:
         model = timm.create_model("visionpe_vit_small_patch16_224", pos_embed=[scheme], img_size=args.size)
         size = saved_bytes(model, images)
         extra = (size - base) / 2**20 / depth
         print(f"| {scheme} | {size / 2**20:.0f} | {size / base:.2f} | {extra:.1f} |", flush=True)
+        rows.append([scheme, size / 2**20, size / base, extra])
+    columns = ["model", "saved for backward, MB", "ratio to timm", "extra MB per block"]
+    formats = dict(zip(columns[1:], (".0f", ".2f", ".1f"), strict=True))
+    notes = (
+        f"ViT-S/16, {setting}: bytes of the distinct storages autograd saves for the backward; "
+        f"extra MB per block = (model - timm) / {depth} blocks."
+    )
+    paths = write_results("saved_memory", rows, columns, out_dir=args.out, notes=notes, formats=formats)
+    print("wrote " + ", ".join(str(p) for p in paths))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ rounds (every model once per round) and the median step time is reported, so tha
 machine hits all models alike. Ratios are against ``timm.create_model("vit_small_patch16_224")`` measured
 in the same run; timm's own RoPE ViTs (Eva) are printed as reference rows.
 
-    .venv/bin/python bench/throughput.py                  # all schemes
+    .venv/bin/python bench/throughput.py                  # all schemes; writes docs/benchmarks/results/throughput.*
     .venv/bin/python bench/throughput.py --schemes rope_axial rope_mixed --rounds 5
     .venv/bin/python bench/throughput.py --malloc retain  # glibc keeps freed memory: no page faults per step
     .venv/bin/python bench/throughput.py --patch-drop 0.5  # every model, the baseline too, with timm's patch dropout
@@ -18,6 +18,9 @@ the top of the heap goes back to the OS and the next step touches fresh pages ag
 order of allocations of the whole process (each scheme's intermediates, and the other models of the run), and on
 a virtual machine a page fault costs several microseconds. The retained heap takes that out and times the
 arithmetic and memory traffic alone (as jemalloc or tcmalloc, which PyTorch's CPU tuning guide recommends, do).
+
+The table printed is also written to ``<--out>/throughput.md`` and ``throughput.csv`` (``bench/results.py``: the date,
+commit, versions, device and command on the first line of the Markdown file).
 """
 
 from __future__ import annotations
@@ -26,13 +29,17 @@ import argparse
 import ctypes
 import ctypes.util
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import timm
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import visionpe
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import visionpe  # noqa: E402
+from bench.results import DEFAULT_OUT, ROOT, write_results  # noqa: E402
 
 REFERENCES = ["vit_small_patch16_rope_224", "vit_small_patch16_rope_mixed_224"]
 COMBOS = [["learned", "rope_mixed"]]
@@ -111,6 +118,9 @@ def main() -> None:
     parser.add_argument(
         "--depth", action="store_true", help="also STRING with depth_coords=True, called with a random depth map"
     )
+    parser.add_argument(
+        "--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of throughput.md and .csv (default {DEFAULT_OUT})"
+    )
     args = parser.parse_args()
     if not 0 <= args.patch_drop < 1:
         parser.error(f"--patch-drop must be in [0, 1), got {args.patch_drop}")
@@ -154,22 +164,34 @@ def main() -> None:
 
     base = statistics.median(next(iter(times.values())))
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{torch.get_num_threads()} threads"
-    print(
-        f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {where}, {args.precision}, batch {args.batch}, "
-        f"{args.size}px, fwd+bwd, median of {args.rounds} interleaved rounds of {args.steps} step(s), "
-        f"{args.malloc} malloc, patch dropout {args.patch_drop}"
+    settings = (
+        f"{args.precision}, batch {args.batch}, {args.size}px, fwd+bwd, median of {args.rounds} interleaved rounds "
+        f"of {args.steps} step(s), {args.malloc} malloc, patch dropout {args.patch_drop}"
     )
+    print(f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {where}, {settings}")
     unit = "kernels" if args.device.startswith("cuda") else "aten ops"
     extra = f" {unit} per step | device ms per step |" if args.profile else ""
     print(f"| model | images/s | ratio to timm ViT-S |{extra}")
     print("|---|---|---|" + ("---|---|" if args.profile else ""))
+    rows = []
     for label, ts in times.items():
         t = statistics.median(ts)
+        rows.append([label, args.batch / t, base / t])
         row = f"| {label} | {args.batch / t:.1f} | {base / t:.3f}x |"
         if args.profile:
             count, busy = profile_step(models[label], images, args.precision, **inputs.get(label, {}))
+            rows[-1] += [count, busy]
             row += f" {count:.0f} | {busy:.1f} |"
-        print(row)
+        print(row, flush=True)
+    columns = ["model", "images/s", "ratio to timm ViT-S"]
+    columns += [f"{unit} per step", "device ms per step"] if args.profile else []
+    formats = {"images/s": ".1f", "ratio to timm ViT-S": ".3f", f"{unit} per step": ".0f", "device ms per step": ".1f"}
+    threads = "" if args.device.startswith("cuda") else f", {torch.get_num_threads()} threads"
+    notes = f"ViT-S/16 training step, {settings}{threads}; ratio = images/s of the model / images/s of the baseline."
+    paths = write_results(
+        "throughput", rows, columns, out_dir=args.out, notes=notes, device=args.device, formats=formats
+    )
+    print("wrote " + ", ".join(str(p) for p in paths))
 
 
 if __name__ == "__main__":

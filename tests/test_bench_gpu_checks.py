@@ -1,4 +1,6 @@
-"""bench/gpu_checks.py runs on CPU as a dry run and its checks fail when bf16 and fp32 disagree."""
+"""bench/gpu_checks.py runs on CPU as a dry run, writes its table, and its checks fail when bf16 and fp32 disagree."""
+
+import csv
 
 import pytest
 
@@ -26,3 +28,23 @@ def test_refuses_cuda_without_a_device(checks, monkeypatch):
     monkeypatch.setattr("sys.argv", ["gpu_checks.py"])
     with pytest.raises(SystemExit, match="no CUDA device"):
         checks.main()
+
+
+def test_dry_run_writes_its_table(checks, monkeypatch, tmp_path, capsys):
+    args = "--device cpu --schemes rope_axial --size 32 --value-size 32 --memory-size 32"
+    monkeypatch.setattr("sys.argv", ["bench/gpu_checks.py", *args.split(), "--out", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_:
+        checks.main()
+    assert exit_.value.code == 0, capsys.readouterr().out
+    md = (tmp_path / "gpu_checks.md").read_text()
+    assert md.startswith("Measured ") and f"`python bench/gpu_checks.py {args} --out .../" in md
+    with open(tmp_path / "gpu_checks.csv", newline="") as f:
+        table = list(csv.reader(f))
+    assert table[0] == ["check", "result", "detail", "peak MB", "ratio to timm"]
+    assert [row[:2] for row in table[1:]] == [
+        ["rope_axial", "ok"],
+        ["rope_axial + patch dropout 0.5", "ok"],
+        ["irpe value term (bf16 model)", "ok"],
+        ["peak memory: timm vit_small_patch16_224", "n/a"],  # CUDA only
+        ["peak memory: rope_axial", "n/a"],
+    ]

@@ -1,4 +1,6 @@
-"""bench/saved_memory.py: the count of memory kept for the backward."""
+"""bench/saved_memory.py: the count of memory kept for the backward, and the table it writes."""
+
+import csv
 
 import torch
 
@@ -13,3 +15,17 @@ def test_saved_bytes_counts_each_storage_once():
     assert saved_memory.saved_bytes(lambda t: t * t, x) == 64 * 64 * 4
     assert saved_memory.saved_bytes(lambda t: (t * t).exp(), x) == 2 * 64 * 64 * 4
     assert saved_memory.saved_bytes(lambda t: t.detach() + 1, x) == 0
+
+
+def test_main_writes_its_table(monkeypatch, tmp_path, capsys):
+    args = "--schemes rope_axial --batch 1 --size 32"
+    monkeypatch.setattr("sys.argv", ["bench/saved_memory.py", *args.split(), "--out", str(tmp_path)])
+    saved_memory.main()
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "MB |" not in line]
+    md = (tmp_path / "saved_memory.md").read_text()
+    assert md.startswith("Measured ") and f"`python bench/saved_memory.py {args} --out .../" in md
+    assert [line for line in md.splitlines() if line.startswith("| ") and "MB |" not in line] == printed
+    with open(tmp_path / "saved_memory.csv", newline="") as f:
+        table = list(csv.reader(f))
+    assert table[0] == ["model", "saved for backward, MB", "ratio to timm", "extra MB per block"]
+    assert [row[0] for row in table[1:]] == [saved_memory.REFERENCE, "rope_axial"] and table[1][2] == "1.00"

@@ -1,5 +1,8 @@
 """bench/throughput.py: the CPU table's script also times bf16 autocast and several steps per measurement (the
-options its GPU rows use); a run prints one row per model with its ratio to timm's ViT-S."""
+options its GPU rows use); a run prints one row per model with its ratio to timm's ViT-S and writes the same table
+to throughput.md and throughput.csv."""
+
+import csv
 
 import pytest
 import timm
@@ -31,9 +34,9 @@ def test_step_time_runs_bf16_steps_and_clears_gradients(bench, monkeypatch):
     assert dtypes == [torch.float32]
 
 
-def test_main_prints_a_row_per_model(bench, monkeypatch, capsys):
+def test_main_prints_a_row_per_model(bench, monkeypatch, capsys, tmp_path):
     args = "--schemes rope_axial --rounds 1 --warmup 0 --batch 1 --size 32 --steps 2 --precision bf16 --profile"
-    monkeypatch.setattr("sys.argv", ["throughput.py", *args.split()])
+    monkeypatch.setattr("sys.argv", ["bench/throughput.py", *args.split(), "--out", str(tmp_path)])
     bench.main()
     out = capsys.readouterr().out
     assert "bf16, batch 1, 32px" in out and "rounds of 2 step(s)" in out
@@ -46,6 +49,15 @@ def test_main_prints_a_row_per_model(bench, monkeypatch, capsys):
     ]
     assert rows[0].split(" | ")[2] == "1.000x" and "aten ops per step | device ms per step |" in out
     assert all(float(row.split(" | ")[3]) > 0 and float(row.split(" | ")[4].rstrip(" |")) > 0 for row in rows)
+    # the files hold the same rows, under the date, versions and command
+    md = (tmp_path / "throughput.md").read_text()
+    assert md.startswith("Measured ") and f"command: `python bench/throughput.py {args} --out .../" in md
+    assert "bf16, batch 1, 32px" in md and str(tmp_path) not in md
+    with open(tmp_path / "throughput.csv", newline="") as f:
+        table = list(csv.reader(f))
+    assert table[0] == ["model", "images/s", "ratio to timm ViT-S", "aten ops per step", "device ms per step"]
+    assert [r[0] for r in table[1:]] == [row.split(" | ")[0][2:] for row in rows]
+    assert table[1][2] == "1.000" and [r[1] for r in table[1:]] == [row.split(" | ")[1] for row in rows]
 
 
 def test_profile_counts_the_ops_a_scheme_adds(bench):
