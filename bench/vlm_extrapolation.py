@@ -5,7 +5,7 @@ for each (task, scheme, seed), its position scheme set with ``visionpe.integrati
 and evaluated at every length. Tasks (from the bundled MNIST digits, deterministic per seed): grid question
 answering (train R, C <= 3, evaluate n x n up to 6 x 6), multi-image needle (train K <= 4 images, evaluate up
 to 16), video needle (train clips of up to 8 frames, evaluate up to 32). Settings and protocol:
-``visionpe/training/vlm/benchmark.py``.
+``train/experiments/vlm/benchmark.py`` (this project's experiment code, not part of the installed package).
 
     .venv/bin/python bench/vlm_extrapolation.py --setting quick --out runs/vlm_quick      # ~1 min
     .venv/bin/python bench/vlm_extrapolation.py --setting small --seeds 0 1 2 --jobs 2 --out runs/vlm_small
@@ -19,10 +19,14 @@ finished run is saved under ``<out>/results/``, and ``--reuse`` continues an int
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from visionpe.training.vlm.benchmark import SETTINGS, run_benchmark
-from visionpe.training.vlm.schemes import BENCH_SCHEMES
-from visionpe.training.vlm.tasks import TASKS
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))  # the experiments package lives in train/
+
+from experiments.vlm.benchmark import SETTINGS, run_benchmark  # noqa: E402
+from experiments.vlm.schemes import BENCH_SCHEMES  # noqa: E402
+from experiments.vlm.tasks import TASKS  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

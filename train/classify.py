@@ -9,7 +9,7 @@ Every option of the model (``--model.pos_embed rope_axial``), the data module an
 key; ``--print_config`` shows them all.
 """
 
-from visionpe.training.cli import run_cli
+from experiments.cli import run_cli
 
 if __name__ == "__main__":
     run_cli()

@@ -25,7 +25,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from visionpe.training.experiments import REFERENCE_MODELS, run_sweep
+from experiments.sweep import REFERENCE_MODELS, run_sweep
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -6,7 +6,7 @@
 Clips are (B, C, T, H, W); position schemes must support 3D grids (``none``, ``rope_axial``, ``rope_mixed``...).
 """
 
-from visionpe.training.cli import run_cli
+from experiments.cli import run_cli
 
 if __name__ == "__main__":
     run_cli()

@@ -174,7 +174,7 @@ def test_adapter_ids_are_visionpe_ids():
         pad_value=0,
     )
     assert torch.equal(pos, ref) and torch.equal(delta, ref_delta)
-    assert pos.dtype == delta.dtype == torch.float64  # fractional ids stay float64 (SCHEMES.md section 0)
+    assert pos.dtype == delta.dtype == torch.float64  # fractional ids stay float64
 
 
 class _SeenTokens:

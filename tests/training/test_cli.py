@@ -11,8 +11,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from experiments.cli import run_cli
 from visionpe.training import Classifier
-from visionpe.training.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(ROOT / "configs" / "demo" / "digits.yaml")
@@ -161,7 +161,7 @@ def _tiny_trainer(tmp_path, **kwargs):
 
 
 def _tiny_digits(**kwargs):
-    from visionpe.training import DigitsDataModule
+    from experiments import DigitsDataModule
 
     return DigitsDataModule(img_size=16, eval_sizes=(16, 24), batch_size=16, num_workers=0, **kwargs)
 

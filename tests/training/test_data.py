@@ -1,6 +1,7 @@
 import csv
 import io
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,19 +11,13 @@ import pytest
 import torch
 from PIL import Image
 
-from visionpe.training import (
-    DIGITS_MEAN,
-    DIGITS_PATH,
-    DIGITS_STD,
-    DigitsDataModule,
-    FrameClipDataModule,
-    ImageFolderDataModule,
-    MovingDigitsDataModule,
-    load_digits,
-)
-from visionpe.training.digits import EpochSampler, split_digits
+from experiments import DIGITS_MEAN, DIGITS_PATH, DIGITS_STD, DigitsDataModule, MovingDigitsDataModule, load_digits
+from experiments.digits import split_digits
+from experiments.moving_digits import DIRECTIONS
+from visionpe.training import FrameClipDataModule, ImageFolderDataModule
 from visionpe.training.image_folder import IMAGENET_MEAN, IMAGENET_STD
-from visionpe.training.video_data import DIRECTIONS, frame_indices
+from visionpe.training.sampling import EpochSampler
+from visionpe.training.video_data import frame_indices
 
 REPO = Path(__file__).resolve().parents[2]
 MOTION = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}  # (dy, dx) per frame
@@ -78,10 +73,14 @@ def test_load_digits_errors(tmp_path):
         load_digits(5)
 
 
-def test_package_imports_without_machine_paths():
-    for name in ("digits.py", "image_folder.py", "video_data.py", "__init__.py"):
-        text = (REPO / "visionpe" / "training" / name).read_text()
-        assert "/work/" not in text and "/home/" not in text and "/tmp/" not in text
+def test_installed_package_reads_no_file_of_the_checkout():
+    """The installed package neither names this machine's checkout nor climbs out of itself to the repository's
+    folders (assets/, train/): the experiments in train/ find the bundled digits."""
+    for path in sorted((REPO / "visionpe").rglob("*.py")):
+        text = path.read_text()
+        assert str(REPO) not in text, path
+        assert "assets/digits" not in text and '"assets"' not in text, path
+        assert not re.search(r"parents\[\d\]", text), path
 
 
 # --- split and sampler --------------------------------------------------------------------------------------------
@@ -518,7 +517,8 @@ def test_frames_of_different_sizes_are_an_error(tmp_path):
 
 
 def test_fresh_interpreter_finds_the_digits_from_the_repository(tmp_path):
-    code = "from visionpe.training import load_digits; print(load_digits()[0].shape[0])"
+    code = f"import sys; sys.path.insert(0, {str(REPO / 'train')!r}); from experiments import load_digits; "
+    code += "print(load_digits()[0].shape[0])"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "5000"
 

@@ -8,9 +8,9 @@ import pytest
 import timm
 
 import visionpe
+from experiments.sweep import accepts_extrapolation
 from visionpe.rotary.scaling import EXTRAPOLATION_MODES
 from visionpe.training.evaluate import markdown_table, summarize
-from visionpe.training.experiments import accepts_extrapolation
 
 from ..scripts import load_script
 
@@ -95,8 +95,8 @@ def test_reference_models_are_built_like_visionpe_models():
     """The Eva reference rows get timm ViT's initialisation of every Linear layer (weight_init="vit"), not Eva's
     (head scaled by 1e-3, output projections by 1 / sqrt(2 l)), so that they train like the visionpe rows they are
     compared with; timm's own APE ViT needs nothing."""
-    from visionpe.training.cli import run_cli
-    from visionpe.training.experiments import REFERENCE_MODELS, reference_args
+    from experiments.cli import run_cli
+    from experiments.sweep import REFERENCE_MODELS, reference_args
 
     def linear_stds(model):
         return {"head": float(model.head.weight.std()), "last proj": float(model.blocks[-1].attn.proj.weight.std())}
@@ -165,7 +165,7 @@ def test_sweep_evaluates_each_model_under_the_modes_it_accepts():
 def test_scheme_options_in_overrides_reach_the_sweep(monkeypatch):
     # options of the swept scheme given as an override (here ComRoPE's train-grid positions, which `learned`,
     # the config's own pos_embed, does not take) must not break the set-up before training
-    from visionpe.training import experiments
+    from experiments import sweep as experiments
 
     def reached(config, args, *rest):
         assert "--model.pos_embed=comrope_ld" in args and args[-1].startswith("--model.pos_embed_kwargs")
@@ -185,7 +185,7 @@ QUICK = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=
 
 def _checkpoint(out_dir, run_args, seed, *extra):
     """A finished run of one training step: out_dir / final.ckpt."""
-    from visionpe.training.experiments import FINAL_CHECKPOINT, train_from_config
+    from experiments.sweep import FINAL_CHECKPOINT, train_from_config
 
     seed_args = [f"--seed_everything={seed}", f"--model.seed={seed}", f"--data.init_args.seed={seed}"]
     args = [*run_args, *seed_args, "--trainer.max_steps=1", "--data.init_args.train_subset=64", *QUICK, *extra]
@@ -198,8 +198,8 @@ def test_checkpoints_are_evaluated_on_their_own_split(tmp_path, monkeypatch):
     not the config's: with the config's split a seed-1 model is scored largely on its own training digits), under
     its own seed, and in a row of its own: two runs of one scheme with the same file name, and timm's models by
     their reference label rather than the config's unused pos_embed."""
-    from visionpe.training import experiments
-    from visionpe.training.experiments import reference_args
+    from experiments import sweep as experiments
+    from experiments.sweep import reference_args
 
     paths = [
         _checkpoint(tmp_path / "a", ["--model.pos_embed=rope_axial"], 1, "--data.init_args.train_fraction=0.9"),
@@ -233,7 +233,7 @@ def test_checkpoints_are_evaluated_on_their_own_split(tmp_path, monkeypatch):
 def test_sweep_arguments_are_checked_before_training(monkeypatch):
     """Repeated values (a repeated seed or size would be averaged as a second replicate), sizes the data or a model
     refuses, a bad epoch count and a mode that no model takes all fail before the first run trains."""
-    from visionpe.training import experiments
+    from experiments import sweep as experiments
 
     def no_training(*args, **kwargs):
         raise AssertionError("a run trained before the arguments were checked")

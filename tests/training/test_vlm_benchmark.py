@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from visionpe.training.vlm import (  # noqa: E402
+from experiments.vlm import (  # noqa: E402
     BENCH_SCHEMES,
     SETTINGS,
     TASKS,
@@ -25,7 +25,7 @@ from visionpe.training.vlm import (  # noqa: E402
     train_and_evaluate,
     write_task_report,
 )
-from visionpe.training.vlm.benchmark import CHANCE, markdown_table  # noqa: E402
+from experiments.vlm.benchmark import CHANCE, markdown_table  # noqa: E402
 
 from ..scripts import load_script  # noqa: E402
 
@@ -80,7 +80,7 @@ def test_schemes_change_the_model_and_the_baseline_is_1d_rope(bank):
     module = VLMModule("rope_1d")
     pos = module.position_ids(batch, training=True)
     mask = batch["attention_mask"].bool()
-    assert pos.dtype == torch.float64  # V2PE with delta = 1: a fractional design, float64 ids (SCHEMES.md section 0)
+    assert pos.dtype == torch.float64  # V2PE with delta = 1: a fractional design, float64 ids
     expected = (batch["attention_mask"].cumsum(1) - 1).double()
     assert torch.equal(pos[0][mask], expected[mask]) and torch.equal(pos[0], pos[1]) and torch.equal(pos[1], pos[2])
 
@@ -98,7 +98,7 @@ def test_randomised_training_options_are_seeded_per_step(bank):
 
 
 def test_training_draws_one_delta_per_image(bank):
-    # SCHEMES.md B6: V2PE's delta is drawn per image, so the K images of one sample step by their own deltas
+    # V2PE's delta is drawn per image, so the K images of one sample step by their own deltas
     _, batch = _batch(bank, "multi_image", (4, 4, 4, 4))
     pos = VLMModule("v2pe", seed=2).position_ids(batch, training=True)[0]
     visual = batch["mm_token_type_ids"] == 1

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from visionpe.training.vlm.tasks import (
+from experiments.vlm.tasks import (
     CELL_PX,
     DIGIT_TOKENS,
     FRAME_PX,

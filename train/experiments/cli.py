@@ -5,7 +5,7 @@ from __future__ import annotations
 from lightning import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
-from .module import Classifier
+from visionpe.training import Classifier
 
 __all__ = ["run_cli"]
 

@@ -1,4 +1,4 @@
-"""Train schemes from a LightningCLI config and sweep them over test sizes (used by ``train/extrapolate.py``).
+"""Train schemes from a LightningCLI config and sweep them over test sizes (``train/extrapolate.py``).
 
 Each model is trained by Lightning exactly as ``train/classify.py fit --config CONFIG`` would, with the scheme,
 seed and output folder overridden; then every model is evaluated at every size of the data module's
@@ -16,11 +16,12 @@ from pathlib import Path
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from ..rotary.scaling import Extrapolation, set_extrapolation
+from visionpe.rotary.scaling import Extrapolation, set_extrapolation
+from visionpe.training import Classifier
+from visionpe.training.evaluate import sweep, write_report
+from visionpe.training.sampling import _check_int, _check_int_tuple
+
 from .cli import run_cli
-from .digits import _check_int, _check_int_tuple
-from .evaluate import sweep, write_report
-from .module import Classifier
 
 __all__ = ["REFERENCE_MODELS", "reference_args", "train_from_config", "run_sweep", "accepts_extrapolation"]
 

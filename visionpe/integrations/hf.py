@@ -6,21 +6,22 @@
 model's rotary embedding). Decoding with a KV cache keeps working unchanged: transformers advances every
 row of the ids by one per new token (``generate``) or adds the stored ``rope_deltas`` to
 ``cumsum(attention_mask) - 1`` (``forward`` with a cache), and visionpe returns deltas in that convention.
-Schemes with fractional positions (V2PE...) return float64 ids and deltas (SCHEMES.md section 0): transformers'
+Schemes with fractional positions (V2PE...) return float64 ids and deltas (docs/schemes.md): transformers'
 arithmetic on them (integer positions plus the deltas, the text row concatenated in ``generate``, the next ids made
 in the ids' dtype) promotes to or keeps float64, nothing on that path casts them down, and the rotary that replaces
 the model's takes their angles in fp64 before casting cos and sin to the activations' dtype.
 
 The visual layout comes from ``mm_token_type_ids`` (0 text, 1 image, 2 video), never from the ids or the
-embeddings (SCHEMES.md B12 pitfall #5): a patched model raises a ValueError naming ``mm_token_type_ids`` when
-visual inputs come without them, in ``forward`` and in ``generate``, where transformers would fall back to 1-D text
-positions; with them, an ``inputs_embeds``-only call gets the same positions as the ``input_ids`` one. Text-only calls
-need no token types.
+embeddings (which cannot tell a visual token from a text one in every case): a patched model raises a ValueError
+naming ``mm_token_type_ids`` when visual inputs come without them, in ``forward`` and in ``generate``, where
+transformers would fall back to 1-D text positions; with them, an ``inputs_embeds``-only call gets the same
+positions as the ``input_ids`` one. Text-only calls need no token types.
 
 Applying another scheme to a patched model replaces the first one (both are built from the model's own rotary
 settings), and ``remove_position_scheme(model)`` puts the model's own modules back.
 
-transformers is optional (``pip install visionpe[vlm]``); it is imported when these functions are called.
+Needs the ``vlm`` extra (``pip install "visionpe[vlm]"``, transformers); importing this module without it raises an
+ImportError that says so. ``import visionpe`` never imports it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ from typing import Any
 
 import torch
 from torch import nn
+
+try:
+    import transformers  # noqa: F401  (the model classes are imported from it by name, see SUPPORTED_MODELS)
+except ImportError as err:
+    raise ImportError(
+        'visionpe.integrations.hf needs the "vlm" extra (transformers is missing): pip install "visionpe[vlm]"'
+    ) from err
 
 from ..multimodal.allocation import ALLOCATIONS
 from ..multimodal.ids import get_position_ids
@@ -238,7 +246,7 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
     ``apply_rotary_pos_emb`` is replaced, once per process, by a version that routes 4-D tables to
     :func:`~visionpe.multimodal.apply_multimodal_rotary` and everything else to the original.
 
-    The visual layout comes from ``mm_token_type_ids`` only (SCHEMES.md B12 pitfall #5): the patched ``forward`` and
+    The visual layout comes from ``mm_token_type_ids`` only: the patched ``forward`` and
     ``generate`` raise a ValueError naming it when visual inputs (``pixel_values``, ``pixel_values_videos``,
     ``image_grid_thw``, ``video_grid_thw``) come without it, where transformers would use 1-D text positions, and
     with it an ``inputs_embeds`` prompt gets the same positions as its ``input_ids``. Text-only calls need no token

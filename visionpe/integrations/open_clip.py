@@ -6,6 +6,9 @@ open_clip (Ilharco et al., 2021) builds timm towers by name from a model config 
 :class:`~visionpe.models.vit.VisionPEViT` with the chosen position scheme and (2) an open_clip model config
 that names it, so that ``open_clip.create_model(name)`` returns the CLIP model. The tower is created with
 ``dynamic_img_size=True``: it also runs at resolutions other than the training one.
+
+Needs the ``clip`` extra (``pip install "visionpe[clip]"``, open_clip_torch); importing this module without it raises
+an ImportError that says so. ``import visionpe`` never imports it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from timm.models import build_model_with_cfg, is_model, register_model
+
+try:
+    import open_clip  # noqa: F401  (used by the functions below)
+except ImportError as err:
+    raise ImportError(
+        'visionpe.integrations.open_clip needs the "clip" extra (open_clip is missing): pip install "visionpe[clip]"'
+    ) from err
 
 from ..models.vit import VisionPEViT, normalize_schemes
 from .timm import feature_cfg

@@ -1,18 +1,28 @@
-"""Lightning DataModules: the bundled digits, ImageNet-style image folders, frame-folder clips, moving digits."""
+"""Training with Lightning: the :class:`Classifier` module, image-folder and frame-folder data, extrapolation sweeps.
 
-from .digits import DIGITS_MEAN, DIGITS_PATH, DIGITS_STD, DigitsDataModule, load_digits
+Needs the ``train`` extra (``pip install "visionpe[train]"``: Lightning, torchmetrics, matplotlib, TensorBoard).
+The data modules and the module plug into any Lightning project or LightningCLI config::
+
+    from visionpe.training import Classifier, ImageFolderDataModule
+
+    model = Classifier("visionpe_vit_small_patch16_224", pos_embed="rope_mixed", num_classes=1000)
+    trainer.fit(model, datamodule=ImageFolderDataModule("/path/to/imagenet"))
+
+:mod:`visionpe.training.evaluate` measures trained models at sizes they never saw (:func:`~.evaluate.sweep`) and
+writes the table, CSV and plot (:func:`~.evaluate.write_report`).
+"""
+
+try:
+    import lightning  # noqa: F401
+    import torchmetrics  # noqa: F401
+except ImportError as err:
+    raise ImportError(
+        f'visionpe.training needs the "train" extra ({err.name or "lightning"} is missing): '
+        'pip install "visionpe[train]"'
+    ) from err
+
 from .image_folder import ImageFolderDataModule
 from .module import Classifier
-from .video_data import FrameClipDataModule, MovingDigitsDataModule
+from .video_data import FrameClipDataModule
 
-__all__ = [
-    "Classifier",
-    "DIGITS_MEAN",
-    "DIGITS_PATH",
-    "DIGITS_STD",
-    "DigitsDataModule",
-    "FrameClipDataModule",
-    "ImageFolderDataModule",
-    "MovingDigitsDataModule",
-    "load_digits",
-]
+__all__ = ["Classifier", "FrameClipDataModule", "ImageFolderDataModule"]

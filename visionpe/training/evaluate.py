@@ -90,7 +90,12 @@ def write_report(rows: list[dict], out_dir: str | Path, title: str, size_label: 
     """Write ``results.md``, ``results.csv`` and ``results.png`` under ``out_dir``; return their paths."""
     if not rows:
         raise ValueError("rows is empty: nothing to report")
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError(
+            'write_report plots with matplotlib, part of the "train" extra: pip install "visionpe[train]"'
+        ) from err
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

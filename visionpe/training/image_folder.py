@@ -8,11 +8,12 @@ other size asked of :meth:`ImageFolderDataModule.eval_dataloader`. Normalisation
 (:data:`IMAGENET_MEAN`, :data:`IMAGENET_STD`).
 
 Determinism: training batches are a pure function of ``(seed, epoch)``, as for
-:class:`~visionpe.training.DigitsDataModule`. The training sampler (:class:`~visionpe.training.digits.EpochSampler`)
-shuffles with a generator seeded by ``(seed, epoch)`` and hands each sample its epoch; each sample's augmentation
-runs with Python's ``random``, NumPy's and torch's global RNGs seeded from ``(seed, epoch, index)`` (timm's transforms
-draw from all three) and restored afterwards. So a run resumed from a checkpoint sees the batches of the
-uninterrupted run, whatever the global RNG states, ``num_workers`` or the number of DDP processes.
+:class:`~visionpe.training.FrameClipDataModule`. The training sampler
+(:class:`~visionpe.training.sampling.EpochSampler`) shuffles with a generator seeded by ``(seed, epoch)`` and hands
+each sample its epoch; each sample's augmentation runs with Python's ``random``, NumPy's and torch's global RNGs
+seeded from ``(seed, epoch, index)`` (timm's transforms draw from all three) and restored afterwards. So a run
+resumed from a checkpoint sees the batches of the uninterrupted run, whatever the global RNG states,
+``num_workers`` or the number of DDP processes.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from .digits import (
+from .sampling import (
     _TRAIN_STREAM,
     EpochSampler,
     _check_int,
@@ -85,7 +86,7 @@ class _Transformed(Dataset):
     """``(transform(image), label)`` for the items of an untransformed dataset.
 
     With a ``seed`` (training), items are ``index`` or ``(index, epoch)`` and the transform runs with the global RNGs
-    seeded from ``(seed, epoch, index)`` (see :func:`~visionpe.training.digits._seeded_rngs`); without one
+    seeded from ``(seed, epoch, index)`` (see :func:`~visionpe.training.sampling._seeded_rngs`); without one
     (evaluation, deterministic transforms) it runs as it is.
     """
 

@@ -29,8 +29,8 @@ from torchmetrics.classification import MulticlassAccuracy
 import visionpe  # noqa: F401  (registers the visionpe models with timm)
 
 from ..grid import validate_positive
-from .digits import _check_int
-from .digits import _sample_seed as sample_seed
+from .sampling import _check_int
+from .sampling import _sample_seed as sample_seed
 
 _STEP_STREAM = 5  # key of the per-batch seeds (the data modules use other streams)
 

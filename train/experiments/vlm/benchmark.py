@@ -1,6 +1,6 @@
 """Multimodal extrapolation benchmark: train a tiny Qwen2-VL per (task, scheme, seed), evaluate it at every length.
 
-Protocol (identical for every scheme): the model of :func:`~visionpe.training.vlm.model.build_tiny_vlm`
+Protocol (identical for every scheme): the model of :func:`~experiments.vlm.model.build_tiny_vlm`
 (transformers' Qwen2-VL, hidden 64, 2 decoder layers, 4 heads of 16 dims, rope_theta 1e4, a one-block vision tower
 of width 32 on 7-px patches, 2 x 2 merge), its position scheme set with ``apply_position_scheme``, trained from
 scratch with Lightning on one task (AdamW, peak lr 2e-3, 50 warm-up steps then cosine, batch 32, gradient
@@ -46,7 +46,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from ..evaluate import summarize
+from visionpe.training.evaluate import summarize
+
 from .data import VLMTaskDataModule
 from .model import VLMSize
 from .module import VLMModule
@@ -72,7 +73,7 @@ class BenchSetting:
     """What one benchmark run trains and evaluates.
 
     ``steps`` per task; ``eval_lengths`` per task (missing tasks use the task's own, see
-    :data:`~visionpe.training.vlm.tasks.TASKS`); ``schemes`` and ``tasks`` are the defaults of
+    :data:`~experiments.vlm.tasks.TASKS`); ``schemes`` and ``tasks`` are the defaults of
     :func:`run_benchmark`.
     """
 
@@ -147,7 +148,7 @@ def train_and_evaluate(
 
     Args:
         task: ``grid``, ``multi_image`` or ``video``.
-        scheme: a name from :data:`~visionpe.training.vlm.schemes.BENCH_SCHEMES`.
+        scheme: a name from :data:`~experiments.vlm.schemes.BENCH_SCHEMES`.
         seed: seed of the data, the initialisation and the scheme's option draws.
         setting: a name from :data:`SETTINGS` or a :class:`BenchSetting`.
         log_dir: when given, Lightning's CSV log of the training loss and accuracy goes there.

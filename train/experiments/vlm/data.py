@@ -1,7 +1,7 @@
 """LightningDataModule serving one multimodal task: training samples at the trained lengths, one test loader
 per evaluation length.
 
-Digits are split by ``seed`` (stratified 80/20 as :func:`~visionpe.training.digits.split_digits`): training
+Digits are split by ``seed`` (stratified 80/20 as :func:`~experiments.digits.split_digits`): training
 samples use the training digits, evaluation samples the held-out ones, so evaluation also measures unseen
 handwriting. Every sample is a pure function of ``(seed, stream, length, index)``: all schemes trained with one
 seed see the same training sequence and are evaluated on the same samples.
@@ -29,7 +29,7 @@ def digit_bank(split: str, seed: int, path: str | None = None) -> DigitBank:
 
 
 class VLMTaskDataModule(L.LightningDataModule):
-    """Batches of one task (dicts from :func:`~visionpe.training.vlm.tasks.collate_samples`).
+    """Batches of one task (dicts from :func:`~experiments.vlm.tasks.collate_samples`).
 
     Args:
         task: ``grid``, ``multi_image`` or ``video``.
@@ -37,7 +37,7 @@ class VLMTaskDataModule(L.LightningDataModule):
         batch_size: training batch size.
         num_train_samples: training samples (= steps x batch size for one pass).
         num_eval_samples: samples per evaluation length.
-        eval_lengths: evaluation lengths; default the task's (:data:`~visionpe.training.vlm.tasks.TASKS`).
+        eval_lengths: evaluation lengths; default the task's (:data:`~experiments.vlm.tasks.TASKS`).
         eval_batch_size: evaluation batch size; default ``batch_size``.
         seed: the digit split and every sample.
         num_workers: DataLoader workers.

@@ -2,7 +2,7 @@
 
 The network is transformers' ``Qwen2VLForConditionalGeneration`` as it is: its vision tower (patch embedding,
 vision blocks with 2-D rotary, 2 x 2 patch merger), its decoder and its LM head, only small. The vocabulary is
-the task vocabulary of :mod:`visionpe.training.vlm.tasks`. :func:`~visionpe.integrations.hf.apply_position_scheme`
+the task vocabulary of :mod:`experiments.vlm.tasks`. :func:`~visionpe.integrations.hf.apply_position_scheme`
 then replaces the decoder's position design and rotary allocation with the chosen scheme.
 """
 
@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ...integrations.hf import apply_position_scheme
+from visionpe.integrations.hf import apply_position_scheme
+
 from .schemes import get_bench_scheme
 from .tasks import PATCH_SIZE, SPATIAL_MERGE_SIZE, TOKENS, VOCAB_SIZE
 
@@ -66,7 +67,7 @@ def build_tiny_vlm(scheme: str = "mrope", size: VLMSize | None = None, seed: int
     """A freshly initialised ``Qwen2VLForConditionalGeneration`` using the benchmark scheme ``scheme``.
 
     Args:
-        scheme: a name from :data:`~visionpe.training.vlm.schemes.BENCH_SCHEMES` (``rope_1d``, ``mrope``...).
+        scheme: a name from :data:`~experiments.vlm.schemes.BENCH_SCHEMES` (``rope_1d``, ``mrope``...).
         size: model sizes; default :class:`VLMSize` (hidden 64, 2 decoder layers, 4 heads of 16, vision tower
             of depth 1 and width 32, patches of 7 px, one input channel, temporal patch size 1).
         seed: initialisation seed (the global RNG is left as it was).

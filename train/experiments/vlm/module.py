@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from ...multimodal import get_position_ids
+from visionpe.multimodal import get_position_ids
+
 from .model import VLMSize, build_tiny_vlm
 from .tasks import SPATIAL_MERGE_SIZE, VOCAB_SIZE, sample_seed
 
@@ -35,8 +36,8 @@ class VLMModule(L.LightningModule):
     """Train and evaluate a tiny Qwen2-VL with one position scheme.
 
     Args:
-        scheme: a name from :data:`~visionpe.training.vlm.schemes.BENCH_SCHEMES`.
-        size: model sizes (:class:`~visionpe.training.vlm.model.VLMSize`), or a dict of its fields.
+        scheme: a name from :data:`~experiments.vlm.schemes.BENCH_SCHEMES`.
+        size: model sizes (:class:`~experiments.vlm.model.VLMSize`), or a dict of its fields.
         lr: peak AdamW learning rate.
         weight_decay: AdamW weight decay (matrices only; norms, biases and embeddings are not decayed).
         warmup_steps: linear warm-up, then cosine decay to ``min_lr_ratio * lr`` at ``max_steps``.
@@ -96,7 +97,7 @@ class VLMModule(L.LightningModule):
         """(3, B, L) ids of the scheme for ``batch`` (training draws options per visual block where the paper does).
 
         int64, or float64 for fractional designs (V2PE, and ``rope_1d``, which is V2PE with delta = 1): passed to the
-        model as they are, and the patched rotary takes their angles in fp64 (SCHEMES.md section 0)."""
+        model as they are, and the patched rotary takes their angles in fp64 (docs/schemes.md)."""
         generator = None
         if training and self.scheme.train_options is not None:
             generator = torch.Generator().manual_seed(sample_seed(self.seed, _OPTION_STREAM, int(self.global_step)))

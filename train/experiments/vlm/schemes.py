@@ -6,7 +6,7 @@ a sampler of per-sample options:
 
 - ``rope_1d``: the baseline, plain 1-D RoPE over the token sequence. It is V2PE with delta = 1 (every token,
   visual or not, advances the position by 1, all three rows equal, one axis on every pair), which is exactly
-  1-D RoPE (SCHEMES.md B6).
+  1-D RoPE (V2PE, Ge et al., arXiv 2412.09616, with delta = 1).
 - ``v2pe``: training draws delta per sample from {1, 1/2, ..., 1/256} (the paper's ``v2pe_rnd``); evaluation
   uses delta = 1/4 (its fixed-stride evaluation).
 - ``hope``: training draws the temporal scale gamma per sample from {0.5, 0.75, 1, 1.25, 1.5}; evaluation uses
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ...multimodal import get_multimodal_scheme, sample_hope_scale, sample_v2pe_delta
+from visionpe.multimodal import get_multimodal_scheme, sample_hope_scale, sample_v2pe_delta
 
 __all__ = ["BenchScheme", "BENCH_SCHEMES", "DEFAULT_SCHEMES", "get_bench_scheme"]
 
@@ -56,7 +56,7 @@ class BenchScheme:
 
 
 def _v2pe_train(batch_size: int, generator: torch.Generator | None, num_blocks: int) -> dict[str, Any]:
-    return {"delta": sample_v2pe_delta(batch_size, generator, num_blocks)}  # per image (SCHEMES.md B6)
+    return {"delta": sample_v2pe_delta(batch_size, generator, num_blocks)}  # per image, as V2PE draws it
 
 
 def _hope_train(batch_size: int, generator: torch.Generator | None, num_blocks: int) -> dict[str, Any]:

@@ -158,7 +158,7 @@ class DigitBank:
 
     Args:
         split: ``"train"`` or ``"val"`` (the stratified 80/20 split of
-            :func:`~visionpe.training.digits.split_digits` with ``split_seed``), or ``"all"``.
+            :func:`~experiments.digits.split_digits` with ``split_seed``), or ``"all"``.
         split_seed: seed of the split.
         path: the ``.npz`` to read; default the bundled file.
 
