@@ -19,7 +19,8 @@ import math
 import torch
 
 from ..base import BiasPositionEncoding, check_model_shape
-from ..grid import grid_coords, validate_count, validate_grid_size
+from ..checks import check_int
+from ..grid import grid_coords, validate_grid_size
 from ..registry import register_scheme
 from .offsets import DistanceState, GlobalSlope, distance_state, gather_offsets, query_rows
 
@@ -33,8 +34,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
         >>> alibi_slopes(4)
         tensor([0.2500, 0.0625, 0.0156, 0.0039])
     """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    check_int(num_heads, "num_heads", min=1)
 
     def power_of_two(n: int) -> list[float]:
         return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
@@ -58,7 +58,7 @@ def grid_distances(
                 [2., 1., 0.]])
     """
     grid_size = validate_grid_size(grid_size, ndims=(2,))
-    validate_count(num_prefix_tokens, "num_prefix_tokens")
+    check_int(num_prefix_tokens, "num_prefix_tokens", min=0)
     coords = grid_coords(grid_size, mode="index", device=device)
     dist = torch.cdist(coords, coords, compute_mode="donot_use_mm_for_euclid_dist")
     return torch.nn.functional.pad(dist, (num_prefix_tokens, 0, num_prefix_tokens, 0))
@@ -100,7 +100,7 @@ class Alibi2D(GlobalSlope, BiasPositionEncoding):
                 f"(B, {self.slopes.numel()}, {n}, head_dim) for this grid, got q {tuple(q.shape)}, k {tuple(k.shape)}"
             )
         # slopes and products in fp32 (fp64 for fp64 activations), one rounding to q's dtype at the end: casting the
-        # distances and the slopes first rounds three times (SCHEMES.md precision convention). Scale and round the
+        # distances and the slopes first rounds three times (the package's precision rule). Scale and round the
         # (h, K + 1) table, then gather: the same values as scaling the gathered distances, without an fp32 (R, N)
         # block.
         compute = torch.promote_types(q.dtype, torch.float32)

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from ..base import BiasPositionEncoding, check_model_shape
-from ..grid import validate_count, validate_grid_size, validate_positive
+from ..checks import check_bool, check_choice, check_instance, check_int, check_positive, check_tensor
+from ..grid import validate_grid_size
 from ..registry import register_scheme
 from .offsets import OffsetState, gather_offsets, offset_state, query_rows
 
@@ -71,9 +72,8 @@ def irpe_piecewise_index(rel: torch.Tensor, alpha: float, beta: float, gamma: fl
         >>> irpe_piecewise_index(torch.arange(6), 1.9, 3.8, 15.2)
         tensor([0, 1, 2, 2, 3, 3])
     """
-    if not isinstance(rel, torch.Tensor):
-        raise TypeError(f"rel must be a torch.Tensor, got {type(rel).__name__}")
-    alpha, beta, gamma = (validate_positive(v, n) for n, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)))
+    check_tensor(rel, "rel")
+    alpha, beta, gamma = (check_positive(v, n) for n, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)))
     if beta < alpha:
         raise ValueError(f"beta must be >= alpha, got alpha={alpha}, beta={beta}")
     if round(alpha) > math.floor(beta):  # round(x) for |x| <= alpha would leave [-floor(beta), floor(beta)]
@@ -83,8 +83,7 @@ def irpe_piecewise_index(rel: torch.Tensor, alpha: float, beta: float, gamma: fl
         )
     if gamma <= alpha:
         raise ValueError(f"gamma must be > alpha, got alpha={alpha}, gamma={gamma}")
-    if rel.is_complex() or rel.dtype == torch.bool:
-        raise TypeError(f"rel must be a real (integer or floating-point) tensor, got dtype {rel.dtype}")
+    check_tensor(rel, "rel", dtype="real")
     rel = rel.to(torch.float64)
     if not torch.compiler.is_compiling() and not torch.isfinite(rel).all():  # no data-dependent branch in graphs
         raise ValueError("rel must be finite, got NaN or inf relative positions")
@@ -104,8 +103,8 @@ def irpe_num_buckets(method: str, ratio: float = 1.9, num_prefix_tokens: int = 0
         (49, 50)
     """
     _check_method(method)
-    ratio = validate_positive(ratio, "ratio")
-    validate_count(num_prefix_tokens)
+    ratio = check_positive(ratio, "ratio")
+    check_int(num_prefix_tokens, "num_prefix_tokens", min=0)
     side = 2 * math.floor(2 * ratio) + 1
     count = {"euclidean": side, "quant": side, "cross": 2 * side, "product": side * side}[method]
     return count + (1 if num_prefix_tokens > 0 else 0)
@@ -135,8 +134,8 @@ def irpe_bucket_ids(
     """
     grid_size = validate_grid_size(grid_size, ndims=(2,))
     _check_method(method)
-    ratio = validate_positive(ratio, "ratio")
-    validate_count(num_prefix_tokens)
+    ratio = check_positive(ratio, "ratio")
+    check_int(num_prefix_tokens, "num_prefix_tokens", min=0)
     state = offset_state(grid_size, num_prefix_tokens, device, 0)
     table = _bucket_table(state, method, ratio)
     every = range(state.num_tokens)
@@ -164,8 +163,7 @@ def _bucket_table(state: OffsetState, method: str, ratio: float) -> torch.Tensor
 
 
 def _check_method(method: str) -> None:
-    if method not in IRPE_METHODS:
-        raise ValueError(f"iRPE method must be one of {IRPE_METHODS}, got {method!r}")
+    check_choice(method, "iRPE method", IRPE_METHODS)
 
 
 @dataclass
@@ -219,24 +217,19 @@ class IRPE(BiasPositionEncoding):
     ) -> None:
         super().__init__()
         _check_method(method)
-        if mode not in IRPE_MODES:
-            raise ValueError(f"iRPE mode must be one of {IRPE_MODES}, got {mode!r}")
-        if not isinstance(on, (str, Sequence)):
-            raise TypeError(
-                f"on must be a str or a sequence of targets among 'q', 'k', 'v' (e.g. 'k' or 'qkv'), "
-                f"got {type(on).__name__} ({on!r})"
-            )
-        if not isinstance(shared_heads, bool):
-            raise TypeError(f"shared_heads must be a bool, got {type(shared_heads).__name__} ({shared_heads!r})")
+        check_choice(mode, "iRPE mode", IRPE_MODES)
+        targets = "a str or a sequence of targets among 'q', 'k', 'v' (e.g. 'k' or 'qkv')"
+        check_instance(on, "on", (str, Sequence), expected=targets)
+        check_bool(shared_heads, "shared_heads")
         on_set = tuple(on)
         if not on_set or any(t not in ("q", "k", "v") for t in on_set) or len(set(on_set)) != len(on_set):
             raise ValueError(f"on must name distinct targets among 'q', 'k', 'v' (e.g. 'k' or 'qkv'), got {on!r}")
         if mode == "bias" and "v" in on_set:
             raise ValueError("iRPE on 'v' exists only in mode='contextual'; bias mode is defined for 'q' and 'k'")
         check_model_shape(dim, num_heads, depth)
-        validate_count(num_prefix_tokens)
+        check_int(num_prefix_tokens, "num_prefix_tokens", min=0)
         self.method, self.mode, self.on = method, mode, "".join(t for t in "qkv" if t in on_set)
-        self.ratio, self.shared_heads = validate_positive(ratio, "ratio"), shared_heads
+        self.ratio, self.shared_heads = check_positive(ratio, "ratio"), shared_heads
         self.num_prefix_tokens, self.num_heads, self.head_dim = num_prefix_tokens, num_heads, dim // num_heads
         self.num_buckets = irpe_num_buckets(method, self.ratio, num_prefix_tokens)
         self.needs_probs = "v" in self.on
@@ -257,7 +250,7 @@ class IRPE(BiasPositionEncoding):
     def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> IRPEState:
         """Offset buckets for ``grid_size`` (and the full map for small grids), cached per (grid, prefix, device)."""
         grid_size = self.check_grid(grid_size)
-        validate_count(num_prefix_tokens)
+        check_int(num_prefix_tokens, "num_prefix_tokens", min=0)
         if (num_prefix_tokens > 0) != (self.num_prefix_tokens > 0):
             raise ValueError(
                 f"iRPE tables were built for num_prefix_tokens={self.num_prefix_tokens} "
@@ -309,8 +302,7 @@ class IRPE(BiasPositionEncoding):
 
     def _check_layer(self, layer: int) -> None:
         depth = next(iter(self.tables.values())).shape[0]
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < depth:
-            raise ValueError(f"layer must be an int in [0, depth={depth}), got {layer!r}")
+        check_int(layer, "layer", min=0, max=depth - 1, expected=f"an int in [0, depth={depth})")
 
     def _check_rows(self, x: torch.Tensor, state: IRPEState, name: str, rows: slice | None) -> int:
         expected = len(query_rows(rows, state.num_tokens))
@@ -321,8 +313,7 @@ class IRPE(BiasPositionEncoding):
                 f"{name} must have shape (B, num_heads={self.num_heads}, {expected}, {self.head_dim}) for this grid"
                 f"{'' if rows is None else f' and rows={rows}'}, got {got}"
             )
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+        check_tensor(x, name, dtype="floating")
         return expected
 
     def attn_bias(
@@ -385,8 +376,7 @@ class IRPE(BiasPositionEncoding):
         if not isinstance(attn, torch.Tensor) or attn.ndim != 4 or tuple(attn.shape[1:]) != expected:
             shape = tuple(attn.shape) if isinstance(attn, torch.Tensor) else type(attn).__name__
             raise ValueError(f"attn must have shape (B, num_heads={self.num_heads}, {num_rows}, {n}), got {shape}")
-        if not attn.is_floating_point():
-            raise TypeError(f"attn must be a floating-point tensor, got dtype {attn.dtype}")
+        check_tensor(attn, "attn", dtype="floating")
         flat = self._flat_ids(state, selected, range(n))
         table = self._table("v", layer)
         # a saturated bucket sums thousands of probabilities: in fp32 for half-precision attn (CUDA's scatter_add

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from ..base import BiasPositionEncoding, check_layer, check_model_shape
-from ..grid import grid_coords, validate_grid_size, validate_positive
+from ..checks import check_choice, check_float, check_int, check_positive, is_number
+from ..grid import grid_coords, validate_grid_size
 from ..registry import register_scheme
 from .offsets import GlobalSlope, OffsetState, distance_state, gather_offsets, query_rows
 
@@ -54,12 +55,9 @@ def lookhere_heads(
         >>> directions, slopes
         ([0.0, 90.0, 180.0, 270.0, None, None], [0.5, 0.5, 0.5, 0.5, 0.5, 0.125])
     """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
-    if variant not in LOOKHERE_VARIANTS:
-        raise ValueError(f"LookHere variant must be one of {LOOKHERE_VARIANTS}, got {variant!r}")
-    if undirected_slopes not in _UNDIRECTED_SLOPES:
-        raise ValueError(f"undirected_slopes must be one of {tuple(_UNDIRECTED_SLOPES)}, got {undirected_slopes!r}")
+    check_int(num_heads, "num_heads", min=1)
+    check_choice(variant, "LookHere variant", LOOKHERE_VARIANTS)
+    check_choice(undirected_slopes, "undirected_slopes", tuple(_UNDIRECTED_SLOPES))
     num_directed = round(2 * num_heads / 3)
     directions: list[float | None] = [_DIRECTIONS[variant][h % 8] for h in range(num_directed)]
     slopes = [0.5 if h % 8 < 4 else 0.25 for h in range(num_directed)]
@@ -83,7 +81,7 @@ def _fov_mask(dy: torch.Tensor, dx: torch.Tensor, direction: float | None, fov: 
         return torch.ones_like(dy, dtype=torch.bool)
     if fov == 180:
         ux, uy = _unit(direction)
-        return (dx * ux + dy * uy >= 0) | ((dy == 0) & (dx == 0))  # j = i is always in view (SCHEMES.md A11)
+        return (dx * ux + dy * uy >= 0) | ((dy == 0) & (dx == 0))  # j = i is always in view, boundary rays included
     # a sector between two rays: counter-clockwise of the first, clockwise of the second (y down). With the
     # default views the rays are axes or diagonals, so on integer offsets both tests are exact.
     ax, ay = _unit(direction - fov / 2)
@@ -124,19 +122,15 @@ def lookhere_fov_masks(
 
 
 def _check_directions(directions: Sequence[float | None]) -> None:
-    if not isinstance(directions, (list, tuple)) or not all(
-        d is None or (isinstance(d, (int, float)) and not isinstance(d, bool)) for d in directions
-    ):
+    if not isinstance(directions, (list, tuple)) or not all(d is None or is_number(d) for d in directions):
         raise ValueError(f"directions must be a list of angles in degrees or None, got {directions!r}")
     for h, d in enumerate(directions):
-        if d is not None and not math.isfinite(d):
-            raise ValueError(f"directions[{h}] must be a finite angle in degrees (or None), got {d!r}")
+        if d is not None:
+            check_float(d, f"directions[{h}]", expected="a finite angle in degrees (or None)")
 
 
 def _check_fov(fov: float) -> float:
-    if isinstance(fov, bool) or not isinstance(fov, (int, float)) or not 0 < fov <= 360:
-        raise ValueError(f"fov must be a number of degrees in (0, 360], got {fov!r}")
-    return float(fov)
+    return check_float(fov, "fov", min=0, max=360, min_open=True, expected="a number of degrees in (0, 360]")
 
 
 @dataclass
@@ -195,11 +189,11 @@ class LookHere(GlobalSlope, BiasPositionEncoding):
         if head_slopes is not None:
             if not isinstance(head_slopes, (list, tuple)) or len(head_slopes) != num_heads:
                 raise ValueError(f"head_slopes must list one slope per head, {num_heads}, got {head_slopes!r}")
-            slopes = [validate_positive(v, f"head_slopes[{h}]") for h, v in enumerate(head_slopes)]
+            slopes = [check_positive(v, f"head_slopes[{h}]") for h, v in enumerate(head_slopes)]
         self.global_slope = global_slope  # checked by the setter
         if not isinstance(layer_slopes, (tuple, list)) or len(layer_slopes) != 2:
             raise ValueError(f"layer_slopes must be a (first, last) pair, got {layer_slopes!r}")
-        first, last = (validate_positive(s, f"layer_slopes[{i}]") for i, s in enumerate(layer_slopes))
+        first, last = (check_positive(s, f"layer_slopes[{i}]") for i, s in enumerate(layer_slopes))
         self.register_buffer("head_slopes", torch.tensor(slopes), persistent=False)
         self.register_buffer("layer_slopes", torch.linspace(first, last, depth), persistent=False)
         self.fov = {"180": 180.0, "90": 90.0, "45": 45.0}[variant]
@@ -230,7 +224,7 @@ class LookHere(GlobalSlope, BiasPositionEncoding):
             )
         check_layer(layer, self.layer_slopes.numel(), type(self).__name__)
         # slopes and products in fp32 (fp64 for fp64 activations), one rounding to q's dtype at the end: casting the
-        # distances and the slopes first rounds three times (SCHEMES.md precision convention). Scale and round the
+        # distances and the slopes first rounds three times (the package's precision rule). Scale and round the
         # small table, then gather: the same values as scaling gathered distances, without an fp32 (R, N) block.
         # Outside the view +inf times a negative slope is -inf, which the cast keeps.
         compute = torch.promote_types(q.dtype, torch.float32)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..grid import validate_count, validate_positive
+from ..checks import check_int, check_positive
 
 __all__ = [
     "DistanceState",
@@ -50,7 +50,7 @@ class GlobalSlope:
 
     @global_slope.setter
     def global_slope(self, value: float) -> None:
-        self._global_slope = validate_positive(value, "global_slope")
+        self._global_slope = check_positive(value, "global_slope")
 
 
 def query_rows(rows: slice | None, total: int) -> range:
@@ -124,7 +124,7 @@ class OffsetState:
 
 def offset_state(grid_size: tuple[int, int], num_prefix_tokens: int, device, full_state_max_tokens: int) -> OffsetState:
     """:class:`OffsetState` for a 2D grid; the full index is cached when P + N <= ``full_state_max_tokens``."""
-    validate_count(num_prefix_tokens, "num_prefix_tokens")
+    check_int(num_prefix_tokens, "num_prefix_tokens", min=0)
     state = OffsetState(tuple(grid_size), num_prefix_tokens, torch.device(device) if device is not None else None)
     if state.num_tokens <= full_state_max_tokens:
         every = range(state.num_tokens)
