@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from .checks import check_int, is_int
 from .grid import grid_coords, validate_count, validate_grid_size
 
 if TYPE_CHECKING:
@@ -48,10 +49,7 @@ def check_model_shape(dim: int, num_heads: int, depth: int = 1) -> int:
         64
     """
     for arg, value in (("dim", dim), ("num_heads", num_heads), ("depth", depth)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{arg} must be a positive int, got {type(value).__name__} ({value!r})")
-        if value <= 0:
-            raise ValueError(f"{arg} must be a positive int, got {value}")
+        check_int(value, arg, min=1)
     if dim % num_heads:
         raise ValueError(f"dim must be divisible by num_heads, got dim={dim}, num_heads={num_heads}")
     return dim // num_heads
@@ -78,7 +76,7 @@ def check_coords(coords: torch.Tensor, ndims: tuple[int, ...], scheme: str) -> t
 def check_layer(layer: int, depth: int | None, scheme: str) -> int:
     """``layer`` if it is an int (not a bool) in ``[0, depth)`` (any non-negative int when ``depth`` is None), else a
     ValueError naming ``layer``, the range and the scheme: a cheap Python check for the per-block paths."""
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < (depth or layer + 1):
+    if not is_int(layer) or not 0 <= layer < (depth or layer + 1):
         raise ValueError(f"layer must be an int in [0, depth={depth}) for {scheme}, got {layer!r}")
     return layer
 

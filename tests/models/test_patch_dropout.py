@@ -94,9 +94,9 @@ def test_patch_dropout_still_refused_for_a_conv_between_blocks():
 
 @pytest.mark.parametrize("name", ["rope_axial", "rope_mixed", "string_cayley", "string_circulant"])
 def test_table_schemes_rotate_the_kept_tokens_from_gathered_tables(name):
-    # the gathered tables (apply_kept) against the generic path: rotate on the full sequence, dropped rows zero,
+    # the gathered tables (rotate_kept) against the generic path: rotate on the full sequence, dropped rows zero,
     # and gather back; STRING with its P not folded into the projection (as with qk_norm)
-    from visionpe.attention import gather_tokens, scatter_tokens
+    from visionpe.tokens import gather_tokens, scatter_tokens
 
     torch.manual_seed(0)
     scheme = visionpe.create_pos_embed(name, dim=64, num_heads=2, depth=2, grid_size=(3, 5))
@@ -107,7 +107,7 @@ def test_table_schemes_rotate_the_kept_tokens_from_gathered_tables(name):
     keep = random_keep()
     qk = torch.randn(2, 3, 2, 8, 32, requires_grad=True)
     for layer in (0, 1):
-        fast = scheme.apply_kept(qk, state, layer, keep)
+        fast = state.layer(layer).rotate_kept(qk, keep)
         slow = gather_tokens(scheme.apply(scatter_tokens(qk, keep, 16), state, layer), keep)
         torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-5)
         params = [p for p in scheme.parameters() if p.requires_grad]
@@ -116,6 +116,6 @@ def test_table_schemes_rotate_the_kept_tokens_from_gathered_tables(name):
         for a, b in zip(grads, ref, strict=True):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)  # sums over tokens in another order
     with pytest.raises(ValueError, match=r"qk must have shape \(\.\.\., B=3, num_heads, K=4, head_dim=32\)"):
-        scheme.apply_kept(qk, state, 0, keep[:, :4])
+        state.layer(0).rotate_kept(qk, keep[:, :4])
     with pytest.raises(ValueError, match=r"keep must be an int64 \(B, K\) index"):
-        scheme.apply_kept(qk, state, 0, keep.int())
+        state.layer(0).rotate_kept(qk, keep.int())

@@ -7,11 +7,10 @@ import torch
 
 import visionpe
 from visionpe.rotary.base import LinearRotary
-from visionpe.rotary.string_cayley import StringBase
 
 ALL_SCHEMES = visionpe.list_schemes()
 ROTARY = visionpe.list_schemes("rotary")
-LIE = ["comrope_ap", "comrope_ld", "liere"]  # exp(sum p_a A_a) in 8 x 8 blocks (visionpe/rotary/skew_exp.py)
+LIE = ["comrope_ap", "comrope_ld", "liere"]  # exp(sum p_a A_a) in 8 x 8 blocks (visionpe/rotary/expm.py)
 
 
 def tiny_vit(pos_embed, img_size=32, patch_size=8, **kwargs) -> visionpe.VisionPEViT:
@@ -34,6 +33,7 @@ def position_tables(scheme, coords: torch.Tensor, num_prefix_tokens: int, grid_s
     P), or the block rotations of LieRE/ComRoPE."""
     state = scheme.prepare(coords, num_prefix_tokens, grid_size=grid_size)
     if isinstance(scheme, LinearRotary):
-        rotary, basis = state if isinstance(scheme, StringBase) else (state, None)
-        return [*scheme.layer_tables(rotary, layer), *([] if basis is None else [basis])]
-    return [scheme.rotations(state[0], layer)]
+        rotation = state.layer(layer)
+        basis, tables = rotation.basis, rotation.without_basis()
+        return [tables.cos, tables.sin, *([] if basis is None else [basis])]
+    return [scheme.rotations(state.coords, layer)]

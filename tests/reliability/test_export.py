@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import visionpe
-from visionpe.rotary import skew_exp
+from visionpe.rotary import expm
 
 from .helpers import ALL_SCHEMES, LIE, perturb_, tiny_vit
 
@@ -81,13 +81,13 @@ def test_onnx_export_of_folded_cayley_string():
 def test_exported_lie_exponentials_follow_the_weights(name, monkeypatch):
     """The squaring count of the exponentials depends on the generators: the exported graph computes it when it
     runs (one torch.cond per possible squaring), so larger generators loaded after export still match eager."""
-    counts, eager_count = [], skew_exp._eager_squaring_count
+    counts, eager_count = [], expm._eager_squaring_count
 
     def count(norm2):
         counts.append(eager_count(norm2))
         return counts[-1]
 
-    monkeypatch.setattr(skew_exp, "_eager_squaring_count", count)
+    monkeypatch.setattr(expm, "_eager_squaring_count", count)
     model = _model(name)
     images = torch.randn(2, 3, 32, 32)
     exported = torch.export.export(model, (images,)).module()

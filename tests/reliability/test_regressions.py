@@ -14,7 +14,7 @@ from timm.layers import resample_abs_pos_embed
 
 import visionpe
 from visionpe.multimodal import get_position_ids
-from visionpe.rotary.string_cayley import StringBase
+from visionpe.rotary.string_base import StringBase
 
 from .helpers import ALL_SCHEMES, ROTARY, perturb_, tiny_vit
 

@@ -8,17 +8,17 @@ import torch
 
 import visionpe
 from visionpe.grid import grid_coords
-from visionpe.rotary import skew_exp
-from visionpe.rotary.liere import LieRE
-from visionpe.rotary.scaling import scale_frequencies, yarn_attention_factor
-from visionpe.rotary.skew_exp import (
-    apply_block_rotation,
+from visionpe.rotary import expm
+from visionpe.rotary.block_rotation import apply_block_rotation
+from visionpe.rotary.expm import (
     block_skew_expm,
     block_skew_expm_chunks,
     block_skew_expm_layers,
     linear_skew_expm,
     skew_from_params,
 )
+from visionpe.rotary.liere import LieRE
+from visionpe.rotary.scaling import scale_frequencies, yarn_attention_factor
 
 from ..model_checks import check_forward_backward
 
@@ -52,16 +52,16 @@ def test_economized_polynomial_error_on_the_imaginary_segment():
     # the degree-12 polynomial that stands for exp on a scaled skew exponent (eigenvalues i lambda, |lambda| <=
     # _THETA): its largest error there is below the Taylor polynomial's on [-1.5, 1.5], which it replaced with one
     # squaring fewer; it is no longer that good on a segment twice as long
-    coeffs = skew_exp._economized_exp(skew_exp._THETA, skew_exp._ORDER)
-    assert skew_exp._DEGREE_SCALE == tuple(c * math.factorial(k) for k, c in enumerate(coeffs))
+    coeffs = expm._economized_exp(expm._THETA, expm._ORDER)
+    assert expm._DEGREE_SCALE == tuple(c * math.factorial(k) for k, c in enumerate(coeffs))
 
     def error(poly, theta):
         z = 1j * torch.linspace(-theta, theta, 4001, dtype=torch.float64)
         return float((sum(c * z**k for k, c in enumerate(poly)) - z.exp()).abs().max())
 
-    taylor = [1 / math.factorial(k) for k in range(skew_exp._ORDER + 1)]
-    assert skew_exp._THETA > 2.5 and error(coeffs, skew_exp._THETA) < min(2.5e-8, error(taylor, 1.5))
-    assert error(coeffs, 2 * skew_exp._THETA) > 1e-3
+    taylor = [1 / math.factorial(k) for k in range(expm._ORDER + 1)]
+    assert expm._THETA > 2.5 and error(coeffs, expm._THETA) < min(2.5e-8, error(taylor, 1.5))
+    assert error(coeffs, 2 * expm._THETA) > 1e-3
 
 
 def test_exponential_equals_matrix_exp():
@@ -80,8 +80,8 @@ def test_word_table_sums_the_words_and_its_gradient_checks(ndim):
     # W_alpha / |alpha|! is the sum of all products of |alpha| letters with letter counts alpha, over |alpha|!:
     # enumerated word by word up to degree 5 (3^5 words for 3 axes), against the table's recursion
     gen = skew_from_params(torch.randn(2, ndim, 3, dtype=torch.float64), 3)
-    table = skew_exp._word_table(gen)
-    levels, _ = skew_exp._monomials(ndim)
+    table = expm._word_table(gen)
+    levels, _ = expm._monomials(ndim)
     offset = 0
     for degree, level in enumerate(levels[:6]):
         for i, alpha in enumerate(level):
@@ -96,8 +96,8 @@ def test_word_table_sums_the_words_and_its_gradient_checks(ndim):
             )
             torch.testing.assert_close(table[:, offset + i], total / math.factorial(degree), rtol=1e-12, atol=1e-12)
         offset += len(level)
-    assert table.shape[1] == sum(len(level) for level in levels) == math.comb(skew_exp._ORDER + ndim, ndim)
-    assert torch.autograd.gradcheck(skew_exp._word_table, (gen.clone().requires_grad_(),))
+    assert table.shape[1] == sum(len(level) for level in levels) == math.comb(expm._ORDER + ndim, ndim)
+    assert torch.autograd.gradcheck(expm._word_table, (gen.clone().requires_grad_(),))
 
 
 def test_exponential_gradient_equals_matrix_exp_gradient():
@@ -150,7 +150,7 @@ def test_prefix_tokens_not_rotated():
 def test_pi_scales_positions_and_other_modes_are_rejected():
     scheme = LieRE(128, 2, grid_size=(7, 7), extrapolation="pi")
     coords = grid_coords((14, 21))
-    state = scheme.prepare(coords, grid_size=(14, 21))[0]
+    state = scheme.prepare(coords, grid_size=(14, 21)).coords
     assert torch.allclose(state, coords / torch.tensor([2.0, 3.0]))
     for mode in ("ntk", "yarn"):  # b = 8: the generators do not commute, there are no frequencies
         with pytest.raises(ValueError, match="supports extrapolation modes"):
@@ -244,7 +244,7 @@ def test_chunked_no_grad_apply_equals_whole(monkeypatch, block_size, prefix):
     scheme.series_dtype = torch.float64
     state = scheme.prepare(grid_coords((5, 7)), num_prefix_tokens=prefix)
     qk = torch.randn(2, 3, 2, prefix + 35, 64)
-    whole = apply_block_rotation(qk, scheme.rotations(state[0], 1), prefix)
+    whole = apply_block_rotation(qk, scheme.rotations(state.coords, 1), prefix)
     monkeypatch.setattr("visionpe.rotary.lie_base._CHUNK_TOKENS", 8)
     with torch.no_grad():
         chunked = scheme.apply(qk, state, 1)
@@ -301,8 +301,8 @@ def test_apply_block_rotation_keeps_x_not_a_copy():
 @pytest.mark.parametrize("count", [0, 1, 3])
 def test_token_last_squarings_gradients(count):
     rot = torch.randn(2, 2, 3, 3, 5, dtype=torch.float64, requires_grad=True)  # (H, M, b, b, n)
-    assert torch.autograd.gradcheck(lambda r: skew_exp._TokenLastSquarings.apply(r, count), (rot,))
-    out = skew_exp._TokenLastSquarings.apply(rot, count)
+    assert torch.autograd.gradcheck(lambda r: expm._TokenLastSquarings.apply(r, count), (rot,))
+    out = expm._TokenLastSquarings.apply(rot, count)
     expected = rot.permute(0, 4, 1, 2, 3)
     for _ in range(count):
         expected = expected @ expected
@@ -317,7 +317,7 @@ def test_token_last_and_bmm_exponentials_agree(monkeypatch, block_size):
     weights = torch.randn(2, 20, 3, block_size, block_size, dtype=torch.float64)
     results = []
     for stack in (0, 10**9):  # everything tokens-last, then everything bmm
-        monkeypatch.setattr(skew_exp, "_TOKEN_LAST_MIN_STACK", stack)
+        monkeypatch.setattr(expm, "_TOKEN_LAST_MIN_STACK", stack)
         rot = block_skew_expm(skew_from_params(params, block_size), coords, torch.float64)
         results.append((rot, torch.autograd.grad((rot * weights).sum(), params)[0]))
     (fast, grad_fast), (slow, grad_slow) = results
@@ -343,13 +343,13 @@ def test_layer_plan_reads_every_squaring_count_at_once(monkeypatch):
     # one device-to-host read per plan (a GPU waits for its queue at each), with each layer's own count
     gen = skew_from_params(torch.rand(3, 2, 4, 2, 6) * torch.tensor([0.1, 1.0, 4.0]).view(3, 1, 1, 1, 1), 4)
     coords = grid_coords((5, 6))
-    reads, counts_of = [], skew_exp._eager_squaring_counts
-    monkeypatch.setattr(skew_exp, "_eager_squaring_counts", lambda norm2: reads.append(counts_of(norm2)) or reads[-1])
+    reads, counts_of = [], expm._eager_squaring_counts
+    monkeypatch.setattr(expm, "_eager_squaring_counts", lambda norm2: reads.append(counts_of(norm2)) or reads[-1])
     build = block_skew_expm_layers(gen, coords, torch.float64)
     for layer in range(3):
         build(layer, 0, 30)
     assert len(reads) == 1 and len(set(reads[0])) == 3, reads  # one read; three different counts
-    assert skew_exp._eager_squaring_counts(torch.zeros(2, 0)) == [0, 0]
+    assert expm._eager_squaring_counts(torch.zeros(2, 0)) == [0, 0]
 
 
 @pytest.mark.parametrize("name", ["liere", "comrope_ap", "comrope_ld"])
@@ -365,12 +365,12 @@ def test_gpu_squaring_path_matches_cpu_path(monkeypatch, name):
         pos_embed_kwargs={"init_scale": 3.0} if name == "liere" else None,
     )
     images = torch.randn(2, 3, 64, 64)
-    monkeypatch.setattr(skew_exp, "_TOKEN_LAST_MIN_STACK", 0)  # this small grid's stacks too
-    squared, tokens_last = [], skew_exp._squared
-    monkeypatch.setattr(skew_exp, "_squared", lambda rot, count: squared.append(count) or tokens_last(rot, count))
+    monkeypatch.setattr(expm, "_TOKEN_LAST_MIN_STACK", 0)  # this small grid's stacks too
+    squared, tokens_last = [], expm._squared
+    monkeypatch.setattr(expm, "_squared", lambda rot, count: squared.append(count) or tokens_last(rot, count))
     results = []
     for devices in (("cpu",), ()):
-        monkeypatch.setattr(skew_exp, "_TOKEN_LAST_DEVICES", devices)
+        monkeypatch.setattr(expm, "_TOKEN_LAST_DEVICES", devices)
         squared.clear()
         model.zero_grad()
         logits = model(images)
@@ -411,7 +411,7 @@ def test_layer_out_of_range_is_refused_not_clamped(block_size):
         with torch.no_grad(), pytest.raises(ValueError, match=r"layer must be an int in \[0, depth=2\) for LieRE"):
             scheme.apply(qk, state, layer)
         with pytest.raises(ValueError, match=r"layer must be an int in \[0, depth=2\) for LieRE"):
-            scheme.apply_qkv_(qkv.clone(), state, layer, 2)
+            state.layer(layer).rotate_qkv(qkv.clone(), 1, 2)
         with pytest.raises(ValueError, match=r"layer must be an int in \[0, depth=2\) for LieRE"):
             scheme.rotations(coords, layer)
     assert scheme.apply(qk, state, 1).shape == qk.shape

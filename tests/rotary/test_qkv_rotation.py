@@ -7,11 +7,13 @@ import torch
 
 import visionpe
 from visionpe.grid import grid_coords
-from visionpe.rotary.base import LinearRotary
+from visionpe.rotary.base import TableRotation
+from visionpe.rotary.block_rotation import apply_block_rotation, rotate_qkv_blocks_
+from visionpe.rotary.expm import skew_from_params
 from visionpe.rotary.functional import apply_rotary, rotary_tables, rotate_qkv_pairs_
-from visionpe.rotary.lie_base import LieBlockRotary
+from visionpe.rotary.lie_base import BlockRotation
 from visionpe.rotary.liere import LieRE
-from visionpe.rotary.skew_exp import apply_block_rotation, rotate_qkv_blocks_, skew_from_params
+from visionpe.rotary.state import LayerRotation
 
 from ..model_checks import random_keep
 
@@ -29,6 +31,14 @@ def _cut(qkv, heads):
     """(q and k as attention cuts them, v) of a (B, T, 3 heads head_dim) projection."""
     parts = qkv.unflatten(-1, (3, heads, -1)).permute(2, 0, 3, 1, 4)
     return parts[:2], parts[2]
+
+
+def _fused(rotation, qkv, batch, heads, keep=None):
+    """(the (B, T, 3 heads head_dim) projection output after ``rotation.rotate_qkv``, whether q, k, v are still views
+    of ``qkv``: rotated in place)."""
+    q, k, v = rotation.rotate_qkv(qkv, batch, heads, keep)
+    in_place = q.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+    return torch.stack((q, k, v), 1).permute(0, 3, 1, 2, 4).flatten(2), in_place
 
 
 @pytest.mark.parametrize("prefix", [0, 2])
@@ -80,7 +90,7 @@ def test_in_place_rotation_rejects_bad_input():
 @pytest.mark.parametrize(
     ("name", "kwargs"), [("liere", {}), ("liere", {"block_size": 2}), ("comrope_ap", {}), ("comrope_ld", {})]
 )
-def test_scheme_apply_qkv_equals_apply(name, kwargs):
+def test_scheme_rotate_qkv_equals_rotate(name, kwargs):
     # LieRE's plan squares and rotates in one step (the rotations are not kept); ComRoPE's and 2 x 2 LieRE's
     # rotate by their rotations: all equal the out-of-place apply, values and gradients
     scheme = visionpe.create_pos_embed(name, dim=64, num_heads=2, depth=2, **kwargs)
@@ -93,9 +103,9 @@ def test_scheme_apply_qkv_equals_apply(name, kwargs):
         return scheme.prepare(scheme.coords((4, 5)), 1, grid_size=(4, 5))
 
     def in_place(x):
-        out = scheme.apply_qkv_(x.clone(), prepare(), 1, 2)
-        assert out is not None
-        return out.view(3, tokens, -1)
+        out, fused = _fused(prepare().layer(1), x.clone(), 3, 2)
+        assert fused
+        return out
 
     def out_of_place(x):
         x = x.view(3, tokens, -1)
@@ -116,13 +126,13 @@ def test_scheme_apply_qkv_equals_apply(name, kwargs):
         assert (grad - ref_grad).norm() <= 1e-5 * ref_grad.norm()
 
 
-def test_apply_qkv_only_with_autograd_in_eager_mode():
-    # without autograd apply rotates a chunk of tokens at a time (bounded memory at large grids): no in-place path
+def test_rotate_qkv_in_place_only_with_autograd_in_eager_mode():
+    # without autograd the rotation goes a chunk of tokens at a time (bounded memory at large grids): not in place
     scheme = LieRE(64, 2, depth=1)
-    state = scheme.prepare(grid_coords((3, 3)), 1)
+    rotation = scheme.prepare(grid_coords((3, 3)), 1).layer(0)
     with torch.no_grad():
-        assert scheme.apply_qkv_(torch.randn(10, 192), state, 0, 2) is None
-    assert scheme.apply_qkv_(torch.randn(10, 192), state, 0, 2) is not None
+        assert not _fused(rotation, torch.randn(10, 192), 1, 2)[1]
+    assert _fused(rotation, torch.randn(10, 192), 1, 2)[1]
 
 
 @pytest.mark.parametrize("name", LIE_SCHEMES + LINEAR_SCHEMES)
@@ -132,14 +142,14 @@ def test_model_in_place_equals_out_of_place_and_keeps_less(monkeypatch, name):
         "visionpe_vit_small_patch16_224", pos_embed=[name], img_size=64, depth=2, embed_dim=96, num_heads=3
     )
     images = torch.randn(2, 3, 64, 64)
-    owner = LieBlockRotary if name in LIE_SCHEMES else LinearRotary
+    owner = BlockRotation if name in LIE_SCHEMES else TableRotation
     calls = []
-    original = owner.apply_qkv_
+    original = owner.rotate_qkv
 
-    def spy(self, *args):
-        out = original(self, *args)
-        calls.append(out is not None)
-        return out
+    def spy(self, qkv, *args):
+        q, k, v = original(self, qkv, *args)
+        calls.append(q.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr())
+        return q, k, v
 
     def run():
         saved = set()
@@ -155,10 +165,10 @@ def test_model_in_place_equals_out_of_place_and_keeps_less(monkeypatch, name):
         model.zero_grad(set_to_none=True)
         return out, grads, sum(nbytes for _, nbytes in saved)
 
-    monkeypatch.setattr(owner, "apply_qkv_", spy)
+    monkeypatch.setattr(owner, "rotate_qkv", spy)
     out, grads, kept = run()
     assert calls == [True, True]
-    monkeypatch.setattr(owner, "apply_qkv_", lambda *args: None)
+    monkeypatch.setattr(owner, "rotate_qkv", LayerRotation.rotate_qkv)  # the default: cut q and k, then rotate
     ref, ref_grads, ref_kept = run()
     assert torch.allclose(out, ref, atol=1e-5)
     for grad, ref_grad in zip(grads, ref_grads, strict=True):
@@ -219,26 +229,26 @@ def test_pair_rotation_rejects_bad_input():
 
 
 @pytest.mark.parametrize("name", LINEAR_SCHEMES)
-def test_linear_scheme_apply_qkv_equals_apply_at_a_larger_grid_with_yarn(name):
+def test_linear_scheme_rotate_qkv_equals_rotate_at_a_larger_grid_with_yarn(name):
     scheme = visionpe.create_pos_embed(name, dim=64, num_heads=2, depth=2, grid_size=(3, 4), extrapolation="yarn")
     tokens = 1 + 30
     qkv = torch.randn(2 * tokens, 3 * 64)
 
     def run(in_place):
-        state = scheme.prepare(scheme.coords((5, 6)), 1, grid_size=(5, 6))
-        folded = scheme.projection_basis(state, 1)
+        rotation = scheme.prepare(scheme.coords((5, 6)), 1, grid_size=(5, 6)).layer(1)
+        basis = rotation.basis
         x = qkv.clone()
-        if folded is not None:  # STRING: P goes into the projection in attention; here onto the q and k columns
-            basis, state = folded
+        if basis is not None:  # STRING: P goes into the projection in attention; here onto the q and k columns
+            rotation = rotation.without_basis()
             x = x.view(2, tokens, 3, 2, 32)
             x[:, :, :2] = (x[:, :, :2].unsqueeze(-2) @ basis.transpose(-1, -2)).squeeze(-2)
             x = x.view(2 * tokens, -1)
         if in_place:
-            out = scheme.apply_qkv_(x, state, 1, 2)
-            assert out is not None
-            return out.view(2, tokens, -1)
+            out, fused = _fused(rotation, x, 2, 2)
+            assert fused
+            return out
         qk, v = _cut(x.view(2, tokens, -1), 2)
-        return torch.cat((scheme.apply(qk, state, 1), v.unsqueeze(0))).permute(1, 3, 0, 2, 4).flatten(2)
+        return torch.cat((rotation.rotate(qk), v.unsqueeze(0))).permute(1, 3, 0, 2, 4).flatten(2)
 
     assert torch.allclose(run(True), run(False), atol=1e-5)
 
@@ -271,7 +281,7 @@ def test_pair_rotation_with_a_table_per_image_equals_apply(heads_table):
 
 
 @pytest.mark.parametrize("name", LINEAR_SCHEMES)
-def test_linear_scheme_apply_qkv_with_kept_tokens_equals_apply_kept(name):
+def test_linear_scheme_rotate_qkv_with_kept_tokens_equals_rotate_kept(name):
     torch.manual_seed(0)
     scheme = visionpe.create_pos_embed(name, dim=64, num_heads=2, depth=2, grid_size=(3, 5))
     with torch.no_grad():
@@ -282,20 +292,20 @@ def test_linear_scheme_apply_qkv_with_kept_tokens_equals_apply_kept(name):
     weights = torch.randn(3, 8, 3 * 64)
 
     def run(in_place):
-        state = scheme.prepare(scheme.coords((3, 5)), 1)
-        folded = scheme.projection_basis(state, 1)
+        rotation = scheme.prepare(scheme.coords((3, 5)), 1).layer(1)
+        basis = rotation.basis
         x = qkv.clone()
-        if folded is not None:  # STRING: P folded into the projection, as attention does
-            basis, state = folded
+        if basis is not None:  # STRING: P folded into the projection, as attention does
+            rotation = rotation.without_basis()
             x = x.view(3, 8, 3, 2, 32)
             x = torch.cat(((x[:, :, :2].unsqueeze(-2) @ basis.transpose(-1, -2)).squeeze(-2), x[:, :, 2:]), 2)
             x = x.reshape(3 * 8, -1)
         if in_place:
-            out = scheme.apply_qkv_(x, state, 1, 2, keep)
-            assert out is not None
-            return out.view(3, 8, -1)
+            out, fused = _fused(rotation, x, 3, 2, keep)
+            assert fused
+            return out
         qk, v = _cut(x.view(3, 8, -1), 2)
-        return torch.cat((scheme.apply_kept(qk, state, 1, keep), v.unsqueeze(0))).permute(1, 3, 0, 2, 4).flatten(2)
+        return torch.cat((rotation.rotate_kept(qk, keep), v.unsqueeze(0))).permute(1, 3, 0, 2, 4).flatten(2)
 
     params = [p for p in scheme.parameters() if p.requires_grad]
     outs, grads = [], []

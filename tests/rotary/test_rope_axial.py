@@ -54,7 +54,8 @@ def test_3d_default_split_and_2d_error():
 
 def test_prefix_rows_are_identity():
     rope = visionpe.create_pos_embed("rope_axial", dim=64, num_heads=1)
-    cos, sin = rope.prepare(grid_coords((2, 3)) + 1, num_prefix_tokens=2)
+    state = rope.prepare(grid_coords((2, 3)) + 1, num_prefix_tokens=2)
+    cos, sin = state.cos, state.sin
     assert cos.shape[-2] == 8
     assert (cos[..., :2, :] == 1).all() and (sin[..., :2, :] == 0).all()
 

@@ -6,6 +6,7 @@ import visionpe
 from visionpe.grid import grid_coords
 from visionpe.rotary.rope_axial import RopeAxial
 from visionpe.rotary.rope_mixed import RopeMixed
+from visionpe.rotary.string_base import BasisRotation
 from visionpe.rotary.string_cayley import StringCayley, cayley_orthogonal, fold_string_
 from visionpe.rotary.string_circulant import StringCirculant, circulant_generator, circulant_string_fft, fourier_basis
 
@@ -140,7 +141,9 @@ def test_attention_folds_the_basis_into_the_projection(name, qkv_bias, monkeypat
     results = []
     for fold in (True, False):
         if not fold:
-            monkeypatch.setattr(type(model.pos_schemes[name]), "projection_basis", lambda self, state, layer: None)
+            # the rotation applies P itself: nothing for attention to fold
+            monkeypatch.setattr(BasisRotation, "basis", property(lambda self: None))
+            monkeypatch.setattr(BasisRotation, "without_basis", lambda self: self)
         out = model(images)
         results.append((out, torch.autograd.grad(out.square().sum(), params)))
         with torch.autocast("cpu", dtype=torch.bfloat16):

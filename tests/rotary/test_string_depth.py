@@ -101,9 +101,10 @@ def test_per_sample_state_rotates_as_rotate_does(scheme_cls):
             torch.testing.assert_close(got, scheme.rotate(qk[:, b, :, 1:], pos[b].detach(), layer))
     # the in-place fused path (P folded into the projection) rotates each image by its own tables too
     qkv = torch.randn(2 * 16, 3 * 64)
-    rotated = scheme.apply_qkv_(qkv.clone(), (state[0], None), 0, 2).view(2, 16, 3, 2, 32)
-    expected = scheme.apply(qkv.view(2, 16, 3, 2, 32)[:, :, :2].permute(2, 0, 3, 1, 4), (state[0], None), 0)
-    torch.testing.assert_close(rotated[:, :, :2].permute(2, 0, 3, 1, 4), expected, atol=1e-5, rtol=1e-5)
+    rotation = state.layer(0).without_basis()
+    q, k, _ = rotation.rotate_qkv(qkv.clone(), 2, 2)
+    expected = rotation.rotate(qkv.view(2, 16, 3, 2, 32)[:, :, :2].permute(2, 0, 3, 1, 4))
+    torch.testing.assert_close(torch.stack((q, k)), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -126,7 +127,7 @@ def test_depth_model_trains_in_fp32_and_bf16_with_gradients_to_the_depth_layer(n
 
 
 def test_patch_dropout_with_depth_gathers_each_samples_tables():
-    from visionpe.attention import gather_tokens, scatter_tokens
+    from visionpe.tokens import gather_tokens, scatter_tokens
 
     torch.manual_seed(0)
     scheme = StringCayley(64, 2, depth=2, depth_coords=True)
@@ -134,7 +135,7 @@ def test_patch_dropout_with_depth_gathers_each_samples_tables():
     state = scheme.prepare(pos, num_prefix_tokens=1)
     keep = random_keep()
     qk = torch.randn(2, 3, 2, 8, 32)
-    fast = scheme.apply_kept(qk, state, 1, keep)
+    fast = state.layer(1).rotate_kept(qk, keep)
     slow = gather_tokens(scheme.apply(scatter_tokens(qk, keep, 16), state, 1), keep)
     torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-5)
     model = _model("string_cayley", patch_drop_rate=0.5).train()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..base import AbsolutePositionEncoding, check_model_shape
+from ..checks import check_int
 from ..registry import register_scheme
 
 __all__ = ["PEG", "PositionEncodingGenerator"]
@@ -30,7 +31,8 @@ class PositionEncodingGenerator(nn.Module):
     def __init__(self, dim: int, kernel_size: int = 3) -> None:
         super().__init__()
         check_model_shape(dim, 1)
-        if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
+        check_int(kernel_size, "kernel_size", min=1, expected="a positive odd int")
+        if kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be a positive odd int, got {kernel_size!r}")
         self.proj = nn.Conv2d(dim, dim, kernel_size, stride=1, padding=kernel_size // 2, groups=dim, bias=True)
 

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..checks import check_int, is_int
 from .functional import _fused_qk, check_fused_qkv
 
 __all__ = ["TokenRotations", "apply_block_rotation", "rotate_qkv_blocks_"]
@@ -184,11 +185,10 @@ def _check_qkv_rotation(
 ) -> int:
     """Tokens per image; ValueError unless rotations of shape ``rot_shape`` fit the q and k of ``qkv``."""
     head_dim = check_fused_qkv(qkv, num_heads)
-    if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
-        raise ValueError(f"num_prefix_tokens must be a non-negative int, got {num_prefix_tokens!r}")
+    check_int(num_prefix_tokens, "num_prefix_tokens", min=0)
     if tokens is None:
         tokens = qkv.shape[-2]
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0 or qkv.numel() % (tokens * qkv.shape[-1]):
+    if not is_int(tokens) or tokens <= 0 or qkv.numel() % (tokens * qkv.shape[-1]):
         raise ValueError(f"tokens must be a positive int that divides qkv's rows {qkv.shape[:-1]}, got {tokens!r}")
     if (
         len(rot_shape) != 5

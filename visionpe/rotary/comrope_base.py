@@ -5,7 +5,6 @@ training augmentations and the eigenfrequency rescaling for extrapolation. See :
 
 from __future__ import annotations
 
-import math
 from abc import abstractmethod
 from collections.abc import Sequence
 
@@ -13,6 +12,7 @@ import torch
 from torch import nn
 
 from ..base import check_layer
+from ..checks import check_bool, check_float
 from ..grid import grid_coords, validate_count
 from .block_rotation import TokenRotations
 from .lie_base import LieBlockRotary
@@ -63,13 +63,9 @@ class ComRoPEBase(LieBlockRotary):
             raise ValueError(f"pos_norm must be one of {POS_NORMS}, got {pos_norm!r}")
         if pos_norm == "train_grid" and grid_size is None:
             raise ValueError("pos_norm='train_grid' needs grid_size (the training grid), got None")
-        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not 0 <= init_std < math.inf:
-            raise ValueError(f"init_std must be a finite non-negative number, got {init_std!r}")
-        if not isinstance(rotate_prefix, bool):  # bool("no") is True
-            raise ValueError(f"rotate_prefix must be a bool, got {rotate_prefix!r}")
-        for name, value in (("jitter_std", jitter_std), ("offset_std", offset_std)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
+        for name, value in (("init_std", init_std), ("jitter_std", jitter_std), ("offset_std", offset_std)):
+            check_float(value, name, min=0, expected="a finite non-negative number")
+        check_bool(rotate_prefix, "rotate_prefix")  # bool("no") is True
         self.pos_norm = pos_norm
         super().__init__(dim, num_heads, depth, block_size, ndim, grid_size, extrapolation)
         self.rotate_prefix, self.init_std = bool(rotate_prefix), float(init_std)

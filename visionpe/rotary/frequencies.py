@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..checks import is_number
+
 __all__ = ["check_base", "check_axis_pairs", "default_axis_pairs", "axial_frequencies"]
 
 
@@ -18,7 +20,7 @@ def check_base(base: float) -> float:
         >>> check_base(100)
         100.0
     """
-    if isinstance(base, bool) or not isinstance(base, (int, float)) or not 0 < base < math.inf:
+    if not is_number(base) or not 0 < base < math.inf:
         raise ValueError(f"base must be positive and finite, got {base!r}")
     return float(base)
 

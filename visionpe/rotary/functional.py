@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..checks import check_int
+
 __all__ = ["rotary_angles", "rotary_tables", "apply_rotary", "rotate_qkv_pairs_"]
 
 
@@ -135,8 +137,7 @@ def _complex_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def check_fused_qkv(qkv: torch.Tensor, num_heads: int, pairs: bool = False) -> int:
     """head_dim of a contiguous floating-point fused projection output (..., 3 * num_heads * head_dim) (even
     when ``pairs``); ValueError naming what does not fit otherwise."""
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    check_int(num_heads, "num_heads", min=1)
     unit = 3 * num_heads * (2 if pairs else 1)
     if qkv.ndim < 2 or qkv.shape[-1] % unit or not qkv.is_floating_point() or not qkv.is_contiguous():
         raise ValueError(

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import RotaryPositionEncoding, check_layer, check_model_shape
+from ..checks import is_int
 from .block_rotation import TokenRotations, apply_block_rotation
 from .expm import LayerExponentials, block_skew_expm
 from .scaling import EXTRAPOLATION_MODES, Extrapolation, yarn_attention_factor
@@ -126,7 +127,7 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
     ) -> None:
         super().__init__()
         head_dim = check_model_shape(dim, num_heads, depth)
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or head_dim % block_size:
+        if not is_int(block_size) or block_size < 2 or head_dim % block_size:
             raise ValueError(f"block_size must be >= 2 and divide head_dim={head_dim}, got block_size={block_size}")
         if ndim not in (2, 3):
             raise ValueError(f"ndim must be 2 or 3, got {ndim!r}")

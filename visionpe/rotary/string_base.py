@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..base import check_rotate_input
+from ..checks import check_bool
 from .base import LinearRotary
 from .state import LayerRotation, RotaryState
 
@@ -89,8 +90,7 @@ class StringBase(LinearRotary):
         yarn_beta: float = 32.0,
         depth_coords: bool = False,
     ) -> None:
-        if not isinstance(depth_coords, bool):
-            raise TypeError(f"depth_coords must be a bool, got {type(depth_coords).__name__} ({depth_coords!r})")
+        check_bool(depth_coords, "depth_coords")
         if depth_coords:
             # RGB-D: r = (z, y, x) on a 2D image grid, z from each patch's mean depth
             if ndim != 2:
