@@ -12,7 +12,8 @@ from .models.convert import LoadReport, convert_timm_state_dict, load_timm_state
 from .models.vit import VisionPEViT
 from .registry import create_pos_embed, list_schemes, register_scheme
 from .rotary.scaling import set_extrapolation
-from .rotary.string_cayley import fold_string_
+from .rotary.state import LayerRotation, RotaryState
+from .rotary.string_base import fold_string_
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,8 @@ __all__ = [
     "AbsolutePositionEncoding",
     "RotaryPositionEncoding",
     "BiasPositionEncoding",
+    "RotaryState",
+    "LayerRotation",
     "LoadReport",
     "convert_timm_state_dict",
     "load_timm_state_dict",
