@@ -15,18 +15,13 @@ import torch
 from torch import nn
 
 from ..base import AbsolutePositionEncoding, check_coords
+from ..checks import check_choice, check_int, check_positive, check_tensor
 from ..grid import grid_coords
 from ..registry import register_scheme
 
 __all__ = ["LearnableFourierFeatures", "LearnableFourierPosEmbed"]
 
 _COORD_MODES = ("normalized", "index", "centered")
-
-
-def _check_int(name: str, value: int, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 class LearnableFourierFeatures(nn.Module):
@@ -51,16 +46,15 @@ class LearnableFourierFeatures(nn.Module):
         gamma: float = 0.1,
     ) -> None:
         super().__init__()
-        self.pos_dim, self.num_groups = _check_int("pos_dim", pos_dim), _check_int("num_groups", num_groups)
-        self.fourier_dim = _check_int("fourier_dim", fourier_dim, 2)
-        self.hidden_dim = _check_int("hidden_dim", hidden_dim)
+        self.pos_dim = check_int(pos_dim, "pos_dim", min=1, expected="an int >= 1")
+        self.num_groups = check_int(num_groups, "num_groups", min=1, expected="an int >= 1")
+        self.fourier_dim = check_int(fourier_dim, "fourier_dim", min=2)
+        self.hidden_dim = check_int(hidden_dim, "hidden_dim", min=1, expected="an int >= 1")
         if fourier_dim % 2:
             raise ValueError(f"fourier_dim |F| must be even, got {fourier_dim}")
-        if _check_int("out_dim", out_dim) % num_groups:
+        if check_int(out_dim, "out_dim", min=1, expected="an int >= 1") % num_groups:
             raise ValueError(f"out_dim must be divisible by num_groups, got out_dim={out_dim}, num_groups={num_groups}")
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma) or gamma <= 0:
-            raise ValueError(f"gamma must be a positive finite number, got {gamma!r}")
-        self.gamma = float(gamma)
+        self.gamma = check_positive(gamma, "gamma")
         self.freqs = nn.Parameter(torch.randn(fourier_dim // 2, pos_dim) / self.gamma)  # W_r
         self.mlp = nn.Sequential(
             nn.Linear(fourier_dim, hidden_dim), nn.GELU(), nn.Linear(hidden_dim, out_dim // num_groups)
@@ -68,14 +62,12 @@ class LearnableFourierFeatures(nn.Module):
 
     def features(self, positions: torch.Tensor) -> torch.Tensor:
         """F before the MLP: positions (..., G, M) -> (..., G, |F|), computed in fp32."""
-        if not isinstance(positions, torch.Tensor):
-            raise TypeError(f"positions must be a torch.Tensor of shape (..., G, M), got {type(positions).__name__}")
+        check_tensor(positions, "positions", expected="a torch.Tensor of shape (..., G, M)")
         if positions.ndim < 2 or positions.shape[-2:] != (self.num_groups, self.pos_dim):
             raise ValueError(
                 f"positions must have shape (..., G={self.num_groups}, M={self.pos_dim}), got {tuple(positions.shape)}"
             )
-        if positions.is_complex() or positions.dtype == torch.bool:
-            raise TypeError(f"positions must be a real (integer or floating-point) tensor, got dtype {positions.dtype}")
+        check_tensor(positions, "positions", dtype="real")
         if not torch.compiler.is_compiling() and not torch.isfinite(positions).all():  # no data-dependent branch
             raise ValueError("positions must be finite, got NaN or inf in LearnableFourierFeatures positions")
         with torch.autocast(positions.device.type, enabled=False):
@@ -115,12 +107,9 @@ class LearnableFourierPosEmbed(AbsolutePositionEncoding):
         coord_mode: str = "normalized",
     ) -> None:
         super().__init__()
-        if ndim not in (2, 3):
-            raise ValueError(f"ndim must be 2 (images) or 3 (video), got {ndim!r}")
-        if coord_mode not in _COORD_MODES:
-            raise ValueError(f"coord_mode must be one of {_COORD_MODES}, got {coord_mode!r}")
-        if num_groups not in (1, 2):
-            raise ValueError(f"num_groups must be 1 (patch centre) or 2 (patch corners) for a grid, got {num_groups!r}")
+        check_choice(ndim, "ndim", (2, 3), expected="2 (images) or 3 (video)")
+        check_choice(coord_mode, "coord_mode", _COORD_MODES)
+        check_choice(num_groups, "num_groups", (1, 2), expected="1 (patch centre) or 2 (patch corners) for a grid")
         self.ndims, self.coord_mode, self.dim = (ndim,), coord_mode, dim
         self.encoder = LearnableFourierFeatures(ndim, dim, num_groups, fourier_dim, hidden_dim, gamma)
 

@@ -13,7 +13,8 @@ from timm.layers import resample_abs_pos_embed, trunc_normal_
 from torch import nn
 
 from ..base import AbsolutePositionEncoding
-from ..grid import validate_count, validate_grid_size
+from ..checks import check_choice, check_int
+from ..grid import validate_grid_size
 from ..registry import register_scheme
 
 __all__ = ["LearnedPosEmbed"]
@@ -50,9 +51,8 @@ class LearnedPosEmbed(AbsolutePositionEncoding):
     ) -> None:
         super().__init__()
         self.grid_size = validate_grid_size(grid_size, ndims=(2,))
-        if interpolation not in _INTERPOLATIONS:
-            raise ValueError(f"interpolation must be one of {_INTERPOLATIONS}, got {interpolation!r}")
-        validate_count(num_prefix_tokens, "num_prefix_tokens")
+        check_choice(interpolation, "interpolation", _INTERPOLATIONS)
+        check_int(num_prefix_tokens, "num_prefix_tokens", min=0)
         self.num_prefix_tokens, self.no_embed_class = num_prefix_tokens, no_embed_class
         self.interpolation, self.antialias = interpolation, antialias
         self.num_embed_prefix = 0 if no_embed_class else num_prefix_tokens

@@ -9,12 +9,11 @@ table is rebuilt on integer positions (``resize='recompute'``) or resampled from
 
 from __future__ import annotations
 
-import math
-
 import torch
 from timm.layers import resample_abs_pos_embed
 
 from ..base import AbsolutePositionEncoding
+from ..checks import check_choice, check_positive
 from ..grid import grid_coords, validate_grid_size
 from ..registry import register_scheme
 
@@ -59,10 +58,8 @@ class SinCosPosEmbed(AbsolutePositionEncoding):
         super().__init__()
         if dim % 4:
             raise ValueError(f"sincos needs dim divisible by 4, got dim={dim}")
-        if resize not in ("recompute", "interpolate"):
-            raise ValueError(f"resize must be 'recompute' or 'interpolate', got {resize!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
-            raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+        check_choice(resize, "resize", ("recompute", "interpolate"), expected="'recompute' or 'interpolate'")
+        check_positive(temperature, "temperature")
         self.dim, self.temperature, self.resize = dim, temperature, resize
         self.grid_size = validate_grid_size(grid_size, ndims=(2,))
 
