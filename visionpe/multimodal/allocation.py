@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_bool, check_instance, check_int, check_tensor, is_int
+
 __all__ = [
     "Allocation",
     "ALLOCATIONS",
@@ -40,8 +42,7 @@ class Allocation:
 
     def __post_init__(self) -> None:
         _check_mix(self.mix)
-        if not isinstance(self.per_head, bool):
-            raise TypeError(f"per_head must be a bool, got {type(self.per_head).__name__} ({self.per_head!r})")
+        check_bool(self.per_head, "per_head")
 
     def axis_of(self) -> list[int]:
         """Row read by each pair (or head): its one-hot column, -1 for zero rows, -2 for mixed rows."""
@@ -54,10 +55,8 @@ class Allocation:
 
 def _check_mix(mix: torch.Tensor, name: str = "mix") -> None:
     """Raise unless ``mix`` is a real (P, 3) tensor, P >= 1, of finite weights: one row per pair (or head)."""
-    if not isinstance(mix, torch.Tensor):
-        raise TypeError(f"{name} must be a (P, 3) tensor of finite weights, got {type(mix).__name__}")
-    if mix.dtype == torch.bool or mix.is_complex():
-        raise TypeError(f"{name} must be an integer or floating point tensor, got dtype {mix.dtype}")
+    check_tensor(mix, name, expected="a (P, 3) tensor of finite weights")
+    check_tensor(mix, name, dtype="real", expected="an integer or floating point tensor")
     if mix.ndim != 2 or mix.shape[0] < 1 or mix.shape[1] != 3:
         raise ValueError(
             f"{name} must be (P, 3), one row per pair (or (H_kv, 3), one per KV head) and at least one, with one "
@@ -72,18 +71,13 @@ def _bad_rows(mix: torch.Tensor) -> list[int]:
 
 
 def _check_section(section: Sequence[int], name: str = "mrope_section") -> tuple[int, int, int]:
-    if (
-        not isinstance(section, (list, tuple))
-        or len(section) != 3
-        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in section)
-    ):
+    if not isinstance(section, (list, tuple)) or len(section) != 3 or not all(is_int(s) and s >= 0 for s in section):
         raise ValueError(f"{name} must be three non-negative ints (t, h, w), got {section!r}")
     return tuple(section)
 
 
 def _check_pairs(num_pairs: int) -> None:
-    if isinstance(num_pairs, bool) or not isinstance(num_pairs, int) or num_pairs < 1:
-        raise ValueError(f"num_pairs must be a positive int, got {num_pairs!r}")
+    check_int(num_pairs, "num_pairs", min=1)
 
 
 def _one_hot(axes: torch.Tensor) -> torch.Tensor:
@@ -164,8 +158,7 @@ def head_allocation(num_kv_heads: int, mrope_section: Sequence[int] | None = Non
     The default splits the heads 1/4, 3/8, 3/8 ((2, 3, 3) for 8 heads); heads beyond the section sum get no
     rotation (NoPE).
     """
-    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
-        raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
+    check_int(num_kv_heads, "num_kv_heads", min=1)
     if mrope_section is None:
         temporal = num_kv_heads // 4
         height = (num_kv_heads - temporal) // 2
@@ -195,11 +188,7 @@ ALLOCATIONS: dict[str, Callable[..., Allocation]] = {
 
 def build_allocation(name: str, *, num_pairs: int, num_kv_heads: int | None = None, **kwargs) -> Allocation:
     """Allocation ``name`` from :data:`ALLOCATIONS` for ``num_pairs`` pairs (``head`` needs ``num_kv_heads``)."""
-    if not isinstance(name, str):
-        raise TypeError(
-            f"name must be an allocation name (str), one of {', '.join(ALLOCATIONS)}; got {type(name).__name__} "
-            f"({name!r})"
-        )
+    check_instance(name, "name", str, expected=f"an allocation name (str), one of {', '.join(ALLOCATIONS)}")
     if name not in ALLOCATIONS:
         raise ValueError(f"unknown allocation {name!r}; valid names: {', '.join(ALLOCATIONS)}")
     if name == "head":

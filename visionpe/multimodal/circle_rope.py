@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from ..checks import check_float, check_positive
 from .design import DesignOutput, VisualLayout, block_max_plus_one
 
 __all__ = ["circle_rope_design"]
@@ -31,16 +32,10 @@ def circle_rope_design(
         radius: circle radius R (10 released) or ``"auto"`` for max |centred coordinate| of each image.
         image_shift: the k-th image of a sample (k from 0) is shifted by k * image_shift on every row.
     """
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
-        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
-    if radius != "auto" and (
-        isinstance(radius, bool) or not isinstance(radius, (int, float)) or not 0 < radius < math.inf
-    ):
-        raise ValueError(f"radius must be a positive finite number or 'auto', got {radius!r}")
-    if isinstance(image_shift, bool) or not isinstance(image_shift, (int, float)):
-        raise TypeError(f"image_shift must be a number, got {type(image_shift).__name__}")
-    if not math.isfinite(image_shift):
-        raise ValueError(f"image_shift must be finite, got {image_shift}")
+    check_float(alpha, "alpha", min=0, max=1)
+    if radius != "auto":
+        check_positive(radius, "radius", expected="a positive finite number or 'auto'")
+    check_float(image_shift, "image_shift", expected="finite", type_expected="a number")
     if layout.block_is_video.any():
         g = int(layout.block_is_video.nonzero()[0])
         raise ValueError(

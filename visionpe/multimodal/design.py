@@ -19,6 +19,8 @@ from itertools import accumulate
 
 import torch
 
+from ..checks import check_int, check_tensor
+
 __all__ = ["VisualLayout", "DesignOutput", "parse_layout", "assemble_positions", "block_max_plus_one"]
 
 _MODALITY = {1: ("image", "image_grid_thw"), 2: ("video", "video_grid_thw")}
@@ -203,8 +205,7 @@ def parse_layout(
     Grids are consumed in order, each by the next ``T*H'*W'`` tokens of its modality; a grid whose tokens are
     not one consecutive run of one sample raises ValueError naming the grid and the sample.
     """
-    if not isinstance(token_type_ids, torch.Tensor):
-        raise TypeError(f"token_type_ids must be a (B, L) tensor, got {type(token_type_ids).__name__}")
+    check_tensor(token_type_ids, "token_type_ids", expected="a (B, L) tensor")
     if token_type_ids.ndim != 2 or token_type_ids.is_floating_point() or token_type_ids.is_complex():
         raise ValueError(
             f"token_type_ids must be a (B, L) integer tensor, got shape {tuple(token_type_ids.shape)} "
@@ -214,8 +215,7 @@ def parse_layout(
         raise ValueError(
             f"token_type_ids must hold at least one sample and one token, got shape {tuple(token_type_ids.shape)}"
         )
-    if isinstance(spatial_merge_size, bool) or not isinstance(spatial_merge_size, int) or spatial_merge_size < 1:
-        raise ValueError(f"spatial_merge_size must be a positive int, got {spatial_merge_size!r}")
+    check_int(spatial_merge_size, "spatial_merge_size", min=1)
     device = token_type_ids.device
     types = token_type_ids.long()
     lowest, highest = torch.aminmax(types) if types.numel() else (torch.tensor(0), torch.tensor(0))
@@ -352,8 +352,8 @@ def assemble_positions(
     """Place text and visual tokens on the cursor and compute the decoding deltas.
 
     Returns:
-        position_ids (R, B, L), int64 if ``design.integer`` else float64 (SCHEMES.md section 0: fractional steps
-        of 2^-8 are exact in fp32 only below 2^16; in fp64 they stay distinct far beyond the 1M tokens of B6);
+        position_ids (R, B, L), int64 if ``design.integer`` else float64 (fractional steps of 2^-8 are exact in
+        fp32 only below 2^16; in fp64 they stay distinct far beyond the 1M-token contexts of V2PE, Ge et al. 2024);
         padded slots hold ``pad_value``.
         rope_deltas (B, 1): next position minus the number of valid tokens (``"valid"``, transformers 5.x:
         decode at cumsum(mask) - 1 + delta) or minus the padded length (``"padded"``, legacy: decode at

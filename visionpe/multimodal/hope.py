@@ -32,5 +32,5 @@ def sample_hope_scale(
     batch_size: int, generator: torch.Generator | None = None, num_blocks: int | None = None
 ) -> torch.Tensor:
     """Gammas drawn uniformly from {0.5, 0.75, 1.0, 1.25, 1.5}, HoPE's training distribution: (batch_size,
-    num_blocks), one per visual span as in the paper (SCHEMES.md B9), or (batch_size,) when ``num_blocks`` is None."""
+    num_blocks), one per visual span as in the paper, or (batch_size,) when ``num_blocks`` is None."""
     return draw_per_block(HOPE_SCALES, batch_size, generator, num_blocks)

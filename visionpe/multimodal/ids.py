@@ -6,11 +6,11 @@ the position-design half of a scheme; :class:`~visionpe.multimodal.MultimodalRot
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
+from ..checks import check_choice, check_float
 from .design import assemble_positions, parse_layout
 from .registry import get_multimodal_scheme
 
@@ -51,7 +51,7 @@ def get_position_ids(
     Returns:
         position_ids: (3, B, L) rows (t, h, w); int64, or float64 for schemes with fractional positions
             (v2pe, videorope, hope, circle_rope, mrope_abs_time with ``fractional_time=True``, a non-integer
-            ``pad_value``): fp32 would merge V2PE's 1/256 steps above 2^16 (SCHEMES.md B6), fp64 keeps them
+            ``pad_value``): fp32 would merge V2PE's 1/256 steps above 2^16 (Ge et al., V2PE, 2024), fp64 keeps them
             distinct at 1M tokens. :class:`~visionpe.multimodal.MultimodalRotary` takes their angles in fp64.
         rope_deltas: (B, 1), same dtype; the next decoding position minus the reference length above.
 
@@ -64,12 +64,8 @@ def get_position_ids(
         [[-3]]
     """
     entry = get_multimodal_scheme(scheme)
-    if delta_convention not in DELTA_CONVENTIONS:
-        raise ValueError(f"delta_convention must be one of {DELTA_CONVENTIONS}, got {delta_convention!r}")
-    if isinstance(pad_value, bool) or not isinstance(pad_value, (int, float)):
-        raise TypeError(f"pad_value must be a number, got {type(pad_value).__name__}")
-    if not math.isfinite(pad_value):
-        raise ValueError(f"pad_value must be finite (it becomes a rotary position), got {pad_value}")
+    check_choice(delta_convention, "delta_convention", DELTA_CONVENTIONS)
+    check_float(pad_value, "pad_value", expected="finite (it becomes a rotary position)", type_expected="a number")
     entry.check_options(scheme_kwargs)
     layout = parse_layout(token_type_ids, image_grid_thw, video_grid_thw, attention_mask, spatial_merge_size)
     design = entry.design(layout, **scheme_kwargs)

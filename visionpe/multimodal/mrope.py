@@ -17,10 +17,9 @@ exceeds the spatial one, where the 5.x rule places the next text inside the vide
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from ..checks import check_bool, check_choice, check_positive
 from .design import DesignOutput, VisualLayout, block_max_plus_one
 
 __all__ = ["CONTINUATIONS", "mrope_design", "mrope_abs_time_design", "continue_after_blocks"]
@@ -30,8 +29,7 @@ CONTINUATIONS = ("max_plus_one", "spatial_extent")
 
 def continue_after_blocks(layout: VisualLayout, local: torch.Tensor, continuation: str) -> torch.Tensor:
     """(G,) cursor advance per block under ``continuation`` (see the module docstring)."""
-    if continuation not in CONTINUATIONS:
-        raise ValueError(f"continuation must be one of {CONTINUATIONS}, got {continuation!r}")
+    check_choice(continuation, "continuation", CONTINUATIONS)
     if continuation == "max_plus_one":
         return block_max_plus_one(layout, local)
     return layout.block_thw[:, 1:].amax(1)
@@ -62,12 +60,8 @@ def mrope_abs_time_design(
             read it from ``vision_config.tokens_per_second``.
         fractional_time: keep t * spg * tps as a float instead of truncating it (float ids).
     """
-    if isinstance(tokens_per_second, bool) or not isinstance(tokens_per_second, (int, float)):
-        raise TypeError(f"tokens_per_second must be a number, got {type(tokens_per_second).__name__}")
-    if not 0 < tokens_per_second < math.inf:
-        raise ValueError(f"tokens_per_second must be positive and finite, got {tokens_per_second}")
-    if not isinstance(fractional_time, bool):
-        raise TypeError(f"fractional_time must be a bool, got {type(fractional_time).__name__}")
+    check_positive(tokens_per_second, "tokens_per_second", expected="positive and finite", type_expected="a number")
+    check_bool(fractional_time, "fractional_time")
     num_videos = int(layout.block_is_video.sum())
     device = layout.block_thw.device
     if num_videos and second_per_grid_ts is None:

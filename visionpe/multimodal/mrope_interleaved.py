@@ -11,10 +11,9 @@ starts at s + max((T-1) * stride, H'-1, W'-1) + 1.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from ..checks import check_bool, check_positive
 from .design import DesignOutput, VisualLayout, block_max_plus_one
 from .mrope import mrope_design
 
@@ -29,12 +28,8 @@ def mrope_interleaved_design(
     continuation: str = "max_plus_one",
 ) -> DesignOutput:
     """MRoPE-I ids; ``spatial_reset`` makes h and w local to each block (``continuation`` applies without it)."""
-    if not isinstance(spatial_reset, bool):
-        raise TypeError(f"spatial_reset must be a bool, got {type(spatial_reset).__name__}")
-    if isinstance(temporal_stride, bool) or not isinstance(temporal_stride, (int, float)):
-        raise TypeError(f"temporal_stride must be a number, got {type(temporal_stride).__name__}")
-    if not 0 < temporal_stride < math.inf:
-        raise ValueError(f"temporal_stride must be positive and finite, got {temporal_stride!r}")
+    check_bool(spatial_reset, "spatial_reset")
+    check_positive(temporal_stride, "temporal_stride", expected="positive and finite", type_expected="a number")
     if not spatial_reset:
         if temporal_stride != 1:
             raise ValueError(f"temporal_stride applies with spatial_reset=True only, got {temporal_stride}")

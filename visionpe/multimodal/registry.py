@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from ..checks import check_instance
 from .circle_rope import circle_rope_design
 from .design import DesignOutput, VisualLayout
 from .hope import hope_design
@@ -92,8 +93,7 @@ def list_multimodal_schemes() -> list[str]:
 
 def get_multimodal_scheme(name: str) -> MultimodalScheme:
     """The registry entry for ``name``; unknown names raise ValueError listing the valid ones."""
-    if not isinstance(name, str):
-        raise TypeError(f"scheme must be a str, got {type(name).__name__} ({name!r})")
+    check_instance(name, "scheme", str, expected="a str")
     if name not in MULTIMODAL_SCHEMES:
         raise ValueError(f"unknown multimodal scheme {name!r}; valid names: {', '.join(list_multimodal_schemes())}")
     return MULTIMODAL_SCHEMES[name]

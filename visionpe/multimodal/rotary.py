@@ -7,17 +7,17 @@ phi_n = theta_n * sum_a mix[n, a] * p_a with theta_n = base^(-2n/D); cos = cos(c
 or (B, H_kv, L, D) for head-wise allocations (MHRoPE), where head h reads sum_a mix[h, a] * p_a on every pair.
 Angles are computed with autocast off, never in bf16/fp16: in fp32 for integer ids (exact below 2^24, the
 transformers expression bit for bit) and in fp64 for float64 ids (fractional designs such as V2PE, whose steps of
-2^-8 need fp64 above 2^16; SCHEMES.md section 0). Only the finished cos and sin are cast.
+2^-8 need fp64 above 2^16). Only the finished cos and sin are cast.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..checks import check_bool, check_float, check_instance, check_int, check_positive, check_tensor
 from .allocation import Allocation, _check_mix, build_allocation
 from .registry import get_multimodal_scheme
 
@@ -54,26 +54,21 @@ class MultimodalRotary(nn.Module):
         **allocation_kwargs: Any,
     ) -> None:
         super().__init__()
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        check_int(head_dim, "head_dim", min=2, expected="a positive even int")
+        if head_dim % 2:
             raise ValueError(f"head_dim must be a positive even int, got {head_dim!r}")
-        if isinstance(base, bool) or not isinstance(base, (int, float)) or not 1 < base < math.inf:
-            raise ValueError(f"base must be a finite number > 1, got {base!r}")
-        if isinstance(attention_scaling, bool) or not isinstance(attention_scaling, (int, float)):
-            raise TypeError(f"attention_scaling must be a number, got {type(attention_scaling).__name__}")
-        if not 0 < attention_scaling < math.inf:
-            raise ValueError(f"attention_scaling must be positive and finite, got {attention_scaling!r}")
+        check_float(base, "base", min=1, min_open=True)
+        check_positive(attention_scaling, "attention_scaling", expected="positive and finite", type_expected="a number")
+        check_instance(allocation, "allocation", (str, Allocation), expected="a name or an Allocation")
         if isinstance(allocation, str):
             allocation = build_allocation(
                 allocation, num_pairs=head_dim // 2, num_kv_heads=num_kv_heads, **allocation_kwargs
             )
-        elif not isinstance(allocation, Allocation):
-            raise TypeError(f"allocation must be a name or an Allocation, got {type(allocation).__name__}")
         elif allocation_kwargs:
             raise ValueError(f"allocation_kwargs {list(allocation_kwargs)} apply to named allocations only")
         # Allocation checks its fields when it is built; again here, since its mix tensor can be changed in place.
         _check_mix(allocation.mix, "allocation.mix")
-        if not isinstance(allocation.per_head, bool):
-            raise TypeError(f"allocation.per_head must be a bool, got {type(allocation.per_head).__name__}")
+        check_bool(allocation.per_head, "allocation.per_head")
         if not allocation.per_head and allocation.mix.shape[0] != head_dim // 2:
             raise ValueError(
                 f"allocation has {allocation.mix.shape[0]} pairs but head_dim={head_dim} has {head_dim // 2}"
@@ -112,10 +107,8 @@ class MultimodalRotary(nn.Module):
         fp64 for float64 ids (id * inv_freq with inv_freq computed in fp64: accurate at position 1e6 and exact for
         fractional steps of 2^-8 up to 2^44); fp32 for any other dtype (int64 ids are exact below 2^24).
         """
-        if not isinstance(position_ids, torch.Tensor):
-            raise TypeError(f"position_ids must be a tensor, got {type(position_ids).__name__}")
-        if position_ids.dtype == torch.bool or position_ids.is_complex():
-            raise TypeError(f"position_ids must be integer or floating point, got dtype {position_ids.dtype}")
+        check_tensor(position_ids, "position_ids", expected="a tensor")
+        check_tensor(position_ids, "position_ids", dtype="real", expected="integer or floating point")
         if position_ids.ndim == 2:
             position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
         if position_ids.ndim != 3 or position_ids.shape[0] != 3 or 0 in position_ids.shape:
@@ -128,7 +121,7 @@ class MultimodalRotary(nn.Module):
             raise ValueError("position_ids must be finite, got NaN or inf")
         with torch.autocast(position_ids.device.type, enabled=False):
             if position_ids.dtype == torch.float64:
-                # Fractional ids: positions, mix and frequencies in fp64 (SCHEMES.md section 0, B6 pitfall).
+                # Fractional ids: positions, mix and frequencies in fp64 (V2PE's 2^-8 steps merge in fp32 above 2^16).
                 pos = position_ids.permute(1, 2, 0)  # (B, L, 3)
                 mix = self.mix.to(torch.float64)
                 inv_freq = self._inv_freq(self.base, self.head_dim, torch.float64, position_ids.device)
@@ -151,11 +144,8 @@ class MultimodalRotary(nn.Module):
         is None).
         """
         if dtype is not None:
-            if not isinstance(dtype, torch.dtype):
-                raise TypeError(
-                    f"dtype must be a floating point torch.dtype (e.g. torch.bfloat16) or None, "
-                    f"got {type(dtype).__name__} ({dtype!r})"
-                )
+            expected = "a floating point torch.dtype (e.g. torch.bfloat16) or None"
+            check_instance(dtype, "dtype", torch.dtype, expected=expected)
             if not dtype.is_floating_point:
                 raise ValueError(f"dtype must be a floating point torch.dtype or None, got {dtype}")
         phi = self.angles(position_ids)
@@ -171,10 +161,7 @@ class MultimodalRotary(nn.Module):
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """(x1, x2) -> (-x2, x1) on the two halves of the last dimension, which must be even and non-empty."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a floating point tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating point tensor, got dtype {x.dtype}")
+    check_tensor(x, "x", dtype="floating", expected="a floating point tensor")
     if x.ndim < 1 or x.shape[-1] < 2 or x.shape[-1] % 2:
         raise ValueError(
             f"x must have an even, non-zero last dimension (the two halves to rotate), got shape {tuple(x.shape)}"
@@ -192,10 +179,8 @@ def apply_multimodal_rotary(
     and to query head g through KV head g // (H_q / H_kv). With D_r < D only the first D_r channels rotate.
     """
     for name, x in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be floating point, got dtype {x.dtype}")
+        check_tensor(x, name, expected="a tensor")
+        check_tensor(x, name, dtype="floating", expected="floating point")
     for name, x in (("q", q), ("k", k)):
         if x.ndim != 4:
             raise ValueError(f"{name} must be (B, H, L, D), got {tuple(x.shape)}")

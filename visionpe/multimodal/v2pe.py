@@ -5,14 +5,15 @@ Visual Position Encoding", ICCV 2025, arXiv 2412.09616 (OpenGVLab/V2PE).
 
 1-D ids on all three rows. Text advances by 1; visual token k = 1..N of a block after the marker at p gets
 p + delta * k, and the next text sits at ceil(p + delta * N) + 1. delta = 1 is plain 1-D RoPE. Training
-draws delta per image from {1, 1/2, ..., 1/256} (:func:`sample_v2pe_delta` with ``num_blocks``, SCHEMES.md B6);
-evaluation fixes it (1/4).
+draws delta per image, as in the paper, from {1, 1/2, ..., 1/256} (:func:`sample_v2pe_delta` with
+``num_blocks``); evaluation fixes it (1/4).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..checks import check_instance, check_int
 from .design import DesignOutput, VisualLayout
 
 __all__ = ["V2PE_DELTAS", "v2pe_design", "sample_v2pe_delta", "per_sample_value", "draw_per_block"]
@@ -25,8 +26,7 @@ def per_sample_value(layout: VisualLayout, value: float | torch.Tensor, name: st
     (one per visual block: column k for the sample's k-th block in order of appearance, images and videos
     together; K at least the most blocks in one sample, later columns unused). Used values must be positive and
     finite."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
-        raise TypeError(f"{name} must be a number, a (B,) or a (B, K) tensor, got {type(value).__name__}")
+    check_instance(value, name, (int, float, torch.Tensor), expected="a number, a (B,) or a (B, K) tensor")
     device = layout.block_thw.device
     tensor = torch.as_tensor(value, dtype=torch.float64, device=device)
     if tensor.ndim == 0:
@@ -59,10 +59,9 @@ def draw_per_block(
 
     The per-block draw is made as (num_blocks, batch_size) and transposed, so its first column (the first block of
     every sample) is the per-sample draw of the same generator state."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    if num_blocks is not None and (isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1):
-        raise ValueError(f"num_blocks must be a positive int or None, got {num_blocks!r}")
+    check_int(batch_size, "batch_size", min=1)
+    if num_blocks is not None:
+        check_int(num_blocks, "num_blocks", min=1, expected="a positive int or None")
     rows = 1 if num_blocks is None else num_blocks
     choice = torch.randint(len(values), (rows, batch_size), generator=generator).T
     draws = torch.tensor(values, dtype=torch.float64)[choice]
@@ -88,5 +87,5 @@ def sample_v2pe_delta(
     batch_size: int, generator: torch.Generator | None = None, num_blocks: int | None = None
 ) -> torch.Tensor:
     """Deltas drawn uniformly from {1, 1/2, ..., 1/256}, V2PE's training distribution: (batch_size, num_blocks),
-    one per image as in the paper (SCHEMES.md B6), or (batch_size,) one per sample when ``num_blocks`` is None."""
+    one per image as in the paper, or (batch_size,) one per sample when ``num_blocks`` is None."""
     return draw_per_block(V2PE_DELTAS, batch_size, generator, num_blocks)
