@@ -16,16 +16,26 @@ that many frames). ``--extrapolation`` adds a row per rotary model and mode, swi
 was trained with (its data module's seed and train fraction) and reported under its own seed, in a row labelled by
 its scheme and its path. Arguments are checked before anything trains: repeated values, test sizes that the data or
 a model refuses (one sample of each size goes through every model), modes that no model takes.
-Importable: ``from extrapolate import main``.
+
+Output: a progress bar and a line (wall time, accuracy at the training size) per trained model, then the table;
+``<out>/results.md``, ``results.csv`` (one row per model, seed and size) and ``results.png``, and per run
+``<out>/<model>/seed<k>/`` with ``final.ckpt`` and the CSV and TensorBoard logs. ``--results DIR`` also writes the
+table as ``DIR/<name>.md`` and ``DIR/<name>.csv`` (name: ``--results-name``, default the config's), headed by the
+date, commit, versions, device and command, as the other benchmarks write theirs (``bench/results.py``); the
+documentation's table is ``--results docs/benchmarks/results``. ``--verbose`` keeps Lightning's messages and model
+summaries. Importable: ``from extrapolate import main``.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 from pathlib import Path
 
 from experiments.sweep import REFERENCE_MODELS, run_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,6 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--reuse", action="store_true", help="load runs that already finished under --out instead of training again"
     )
+    parser.add_argument(
+        "--results", default=None, help="also write the table as <results>/<name>.md and .csv with the run's header"
+    )
+    parser.add_argument("--results-name", default=None, help="file name for --results (default: the config's)")
+    parser.add_argument(
+        "--verbose", action="store_true", help="keep Lightning's information messages and model summary tables"
+    )
     args = parser.parse_args(argv)
     if not (args.checkpoints or args.schemes or args.references):
         parser.error("give --checkpoints, --schemes or --references")
@@ -74,10 +91,50 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
         out_dir=args.out,
         title=args.title,
         reuse=args.reuse,
+        verbose=args.verbose,
     )
-    print(paths["md"].read_text())
-    print(f"table: {paths['md']}\ncsv: {paths['csv']}\nplot: {paths['png']}")
+    print("\n" + paths["md"].read_text())
+    out = Path(args.out)
+    where = [
+        ("table", paths["md"]),
+        ("per-seed rows (CSV)", paths["csv"]),
+        ("plot", paths["png"]),
+    ]
+    if args.schemes or args.references:
+        where.append(("checkpoints and logs", out / "<model>" / "seed<k>" / "{final.ckpt,csv,tensorboard}"))
+    if args.results is not None:
+        name = args.results_name or Path(args.config).stem
+        paths["results_md"], paths["results_csv"] = write_results_table(paths, args, name)
+        where += [("results table", paths["results_md"]), ("results CSV", paths["results_csv"])]
+    width = max(len(label) for label, _ in where)
+    print("\n".join(f"{label + ':':<{width + 1}} {path}" for label, path in where))
     return paths
+
+
+def write_results_table(paths: dict[str, Path], args: argparse.Namespace, name: str) -> tuple[Path, Path]:
+    """The sweep's table (mean ± std over seeds, a row per model) as ``<args.results>/<name>.md`` and ``.csv``,
+    through the benchmarks' shared writer: first line the date, commit, torch/timm versions, device and command."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repository, next to train/
+    try:
+        from bench.results import write_results
+    finally:
+        sys.path.remove(str(ROOT))
+
+    lines = [line for line in paths["md"].read_text().splitlines() if line.startswith("|")]
+    columns, *body = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+    table = [cells for cells in body if not set("".join(cells)) <= set("-:")]  # without the |---| line
+    with paths["csv"].open(newline="") as f:
+        seeds = sorted({int(row["seed"]) for row in csv.DictReader(f)})
+    over = f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    notes = [f"Top-1 accuracy (%) on the held-out split, {over}; config `{Path(args.config).as_posix()}`."]
+    if any("[" in cells[0] for cells in table):
+        notes.append(
+            "`[mode]`: the same weights evaluated with that extrapolation mode (`pi`: position interpolation)."
+        )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return write_results(name, table, columns, out_dir=args.results, notes=notes, device=device)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,13 @@ seed and output folder overridden; then every model is evaluated at every size o
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import logging
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -23,7 +26,14 @@ from visionpe.training.sampling import _check_int, _check_int_tuple
 
 from .cli import run_cli
 
-__all__ = ["REFERENCE_MODELS", "reference_args", "train_from_config", "run_sweep", "accepts_extrapolation"]
+__all__ = [
+    "REFERENCE_MODELS",
+    "accepts_extrapolation",
+    "quiet_lightning",
+    "reference_args",
+    "run_sweep",
+    "train_from_config",
+]
 
 # timm's own models, trained the same way as the visionpe ones: the reference rows of a sweep, as (row label, timm
 # model name, extra config overrides). timm's Eva scales its classifier head by 1e-3 and each block's output
@@ -40,6 +50,25 @@ EXTRAPOLATION_MODES = ("none", "pi", "ntk", "yarn")
 
 FINAL_CHECKPOINT = "final.ckpt"  # written by train_from_config once a run has finished training
 
+# Lightning's informational messages, repeated for every run of a sweep: "Seed set to 0", the accelerators found,
+# a tip advertising a logging service, "Loading `train_dataloader` to estimate...", "`Trainer.fit` stopped".
+# Its warnings go through the warnings module and stay.
+_CHATTY_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.seed")
+
+
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Hide Lightning's per-run information messages (not its warnings or progress bars); restore after."""
+    loggers = [logging.getLogger(name) for name in _CHATTY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.WARNING)
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
 
 def reference_args(name: str) -> list[str]:
     """The config overrides that build the reference model ``name`` of :data:`REFERENCE_MODELS`."""
@@ -49,12 +78,14 @@ def reference_args(name: str) -> list[str]:
     return [f"--model.model_name={model_name}", *overrides]
 
 
-def train_from_config(config: str | Path, overrides: Sequence[str], out_dir: str | Path, reuse: bool = False):
+def train_from_config(
+    config: str | Path, overrides: Sequence[str], out_dir: str | Path, reuse: bool = False, compact: bool = False
+):
     """Fit a :class:`Classifier` from ``config`` plus CLI-style ``overrides``; return (model, datamodule).
 
     The trained model is saved as ``out_dir / FINAL_CHECKPOINT``. With ``reuse``, a run whose final checkpoint
     already exists is loaded instead of trained again (an interrupted sweep continues where it stopped; runs that
-    had not finished are trained from the start).
+    had not finished are trained from the start). ``compact`` keeps the progress bar to one line of metrics.
     """
     out_dir = Path(out_dir)
     cli = run_cli(args=["--config", str(config), *overrides, f"--trainer.default_root_dir={out_dir}"], run=False)
@@ -63,9 +94,27 @@ def train_from_config(config: str | Path, overrides: Sequence[str], out_dir: str
         cli.datamodule.setup("validate")
         return Classifier.load_from_checkpoint(final, map_location="cpu").eval(), cli.datamodule
     cli.trainer.loggers = [CSVLogger(out_dir, name="csv"), TensorBoardLogger(out_dir, name="tensorboard")]
+    if compact and cli.trainer.progress_bar_callback is not None:
+        _compact_metrics(cli.trainer.progress_bar_callback)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    cli.trainer.save_checkpoint(final)
+    cli.trainer.save_checkpoint(final, weights_only=False)  # the full checkpoint, as Lightning's own callbacks
     return cli.model.eval(), cli.datamodule
+
+
+def _compact_metrics(bar) -> None:
+    """Show the step loss and the validation accuracy on ``bar``, without the logger version and epoch loss, so
+    that the bar and its metrics fit on one line of a terminal."""
+    full = bar.get_metrics
+
+    def get_metrics(trainer, pl_module):
+        metrics = full(trainer, pl_module)
+        return {
+            name.removeprefix("train/").removesuffix("_step"): value
+            for name, value in metrics.items()
+            if name != "v_num" and not name.endswith("_epoch")
+        }
+
+    bar.get_metrics = get_metrics
 
 
 def _scalable(model: torch.nn.Module) -> list[Extrapolation]:
@@ -209,6 +258,7 @@ def run_sweep(
     out_dir: str | Path = "runs/extrapolate",
     title: str | None = None,
     reuse: bool = False,
+    verbose: bool = True,
 ) -> dict[str, Path]:
     """Train (or load) every model, evaluate it at every size, write table/CSV/plot under ``out_dir``.
 
@@ -220,7 +270,63 @@ def run_sweep(
 
     Everything that can be checked without training is checked first: repeated values, the sizes (one sample of
     each through every model) and that each extrapolation mode is accepted by at least one model.
+
+    Prints one line per trained (or reused) model: its wall time, parameters and accuracy at the training size.
+    ``verbose=False`` leaves out Lightning's information messages (:func:`quiet_lightning`) and its model summary
+    table for every run; the progress bars and warnings stay.
     """
+    with contextlib.nullcontext() if verbose else quiet_lightning():
+        return _run_sweep(
+            config,
+            checkpoints,
+            schemes,
+            references,
+            sizes,
+            seeds,
+            extrapolation,
+            max_epochs,
+            overrides,
+            out_dir,
+            title,
+            reuse,
+            verbose,
+        )
+
+
+def _format_seconds(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds:02d} s" if minutes else f"{seconds} s"
+
+
+def _trained_line(model: Classifier, datamodule, started: float, reused: Path | None) -> str:
+    """What a finished run reports: wall time, parameters and the last validation accuracy (at the training size)."""
+    params = sum(p.numel() for p in model.parameters())
+    if reused is not None:
+        return f"loaded {reused} ({params / 1e3:.0f}k parameters)"
+    trainer = getattr(model, "_trainer", None)  # still attached after fit; None when a test stubs the training
+    acc = trainer.callback_metrics.get("val/acc") if trainer is not None else None
+    frames = getattr(datamodule, "size_label", "px") == "frames"
+    size = getattr(datamodule, "num_frames" if frames else "img_size", None)
+    where = f"{size} {getattr(datamodule, 'size_label', 'px')}" if size else "the training size"
+    score = f"{100 * float(acc):.1f} % at {where}" if acc is not None else "no validation accuracy"
+    return f"{score}, trained in {_format_seconds(time.perf_counter() - started)} ({params / 1e3:.0f}k parameters)"
+
+
+def _run_sweep(
+    config,
+    checkpoints,
+    schemes,
+    references,
+    sizes,
+    seeds,
+    extrapolation,
+    max_epochs,
+    overrides,
+    out_dir,
+    title,
+    reuse,
+    verbose,
+) -> dict[str, Path]:
     if not Path(config).is_file():
         raise ValueError(f"config must be an existing YAML file, got {str(config)!r}")
     unknown = [r for r in references if r not in REFERENCE_MODELS]
@@ -243,6 +349,8 @@ def run_sweep(
     out_dir = Path(out_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     common = list(overrides) + ([f"--trainer.max_epochs={max_epochs}"] if max_epochs is not None else [])
+    if not verbose:  # the model summary table of every run; the per-run line below gives the parameters
+        common = ["--trainer.enable_model_summary=false", *common]
     runs = [(name, [f"--model.pos_embed={name}"]) for name in schemes]
     runs += [(REFERENCE_MODELS[r][0], reference_args(r)) for r in references]
 
@@ -268,6 +376,15 @@ def run_sweep(
             )
 
     rows, datamodule = [], config_data
+    total, done = len(runs) * len(seeds), 0
+    if total:
+        test_sizes = " ".join(str(s) for s in (sizes or config_data.eval_sizes))
+        unit, modes = getattr(config_data, "size_label", "px"), " ".join(extrapolation)
+        print(
+            f"Training {len(runs)} model(s) x {len(seeds)} seed(s) from {config}, then evaluating at {test_sizes} "
+            f"{unit} (extrapolation: {modes}); output in {out_dir}",
+            flush=True,
+        )
     for seed in seeds:
         models: dict[str, Classifier] = {}
         for label, run_args in runs:
@@ -276,9 +393,17 @@ def run_sweep(
             seed_args = [f"--seed_everything={seed}", f"--model.seed={seed}"]
             seed_args += [f"--data.init_args.seed={seed}"] if "seed" in split_keys else []
             run_dir = out_dir / label.replace(" ", "_") / f"seed{seed}"
-            models[label], datamodule = train_from_config(config, [*run_args, *seed_args, *common], run_dir, reuse)
+            reused = run_dir / FINAL_CHECKPOINT if reuse and (run_dir / FINAL_CHECKPOINT).is_file() else None
+            started = time.perf_counter()
+            run = [*run_args, *seed_args, *common]
+            models[label], datamodule = train_from_config(config, run, run_dir, reuse, not verbose)
+            done += 1
+            line = _trained_line(models[label], datamodule, started, reused)
+            print(f"[{done}/{total}] {label}, seed {seed}: {line}", flush=True)
         if models:
+            started = time.perf_counter()
             rows += _evaluate(models, datamodule, sizes, extrapolation, seed, device)
+            print(f"evaluated seed {seed} in {_format_seconds(time.perf_counter() - started)}", flush=True)
     for label, seed, model, data_args in loaded:
         if data_args:
             datamodule = run_cli(args=["--config", str(config), *overrides, *data_args], run=False).datamodule
