@@ -104,16 +104,20 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
         where.append(("checkpoints and logs", out / "<model>" / "seed<k>" / "{final.ckpt,csv,tensorboard}"))
     if args.results is not None:
         name = args.results_name or Path(args.config).stem
-        paths["results_md"], paths["results_csv"] = write_results_table(paths, args, name)
+        command = sys.argv if argv is None else [__file__, *argv]
+        paths["results_md"], paths["results_csv"] = write_results_table(paths, args, name, command)
         where += [("results table", paths["results_md"]), ("results CSV", paths["results_csv"])]
     width = max(len(label) for label, _ in where)
     print("\n".join(f"{label + ':':<{width + 1}} {path}" for label, path in where))
     return paths
 
 
-def write_results_table(paths: dict[str, Path], args: argparse.Namespace, name: str) -> tuple[Path, Path]:
+def write_results_table(
+    paths: dict[str, Path], args: argparse.Namespace, name: str, command: list[str] | None = None
+) -> tuple[Path, Path]:
     """The sweep's table (mean ± std over seeds, a row per model) as ``<args.results>/<name>.md`` and ``.csv``,
-    through the benchmarks' shared writer: first line the date, commit, torch/timm versions, device and command."""
+    through the benchmarks' shared writer: first line the date, commit, torch/timm versions, device and
+    ``command`` (the argv; default ``sys.argv``)."""
     import torch
 
     sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repository, next to train/
@@ -134,7 +138,7 @@ def write_results_table(paths: dict[str, Path], args: argparse.Namespace, name: 
             "`[mode]`: the same weights evaluated with that extrapolation mode (`pi`: position interpolation)."
         )
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return write_results(name, table, columns, out_dir=args.results, notes=notes, device=device)
+    return write_results(name, table, columns, out_dir=args.results, command=command, notes=notes, device=device)
 
 
 if __name__ == "__main__":

@@ -66,8 +66,18 @@ def test_sweep_writes_table_csv_and_plot(tmp_path, monkeypatch):
         raise AssertionError("a finished run was trained again")
 
     monkeypatch.setattr(lightning.pytorch.Trainer, "fit", no_training)
-    again = _script().main([*args, "--reuse"])
+    again = _script().main([*args, "--reuse", "--results", str(tmp_path / "docs"), "--results-name", "digits"])
     assert list(csv.DictReader(again["csv"].open())) == rows
+    # --results: the same table for the documentation, headed by when, where and how it was measured
+    assert again["results_md"] == tmp_path / "docs" / "digits.md" and again["results_csv"].name == "digits.csv"
+    first, *rest = again["results_md"].read_text().splitlines()
+    assert first.startswith("Measured ") and "torch " in first and "timm " in first
+    assert "command: `python train/extrapolate.py --config configs/demo/digits.yaml --schemes rope_axial" in first
+    assert str(tmp_path) not in first and "| rope_axial [ntk] |" in "\n".join(rest)
+    assert "seed 1; config `configs/demo/digits.yaml`" in "\n".join(rest)
+    table = list(csv.DictReader(again["results_csv"].open()))
+    assert [r["model"] for r in table] == ["rope_axial", "timm APE ViT", "rope_axial [ntk]"]
+    assert list(table[0]) == ["model", "32 px", "48 px"] and float(table[0]["32 px"]) == at32["rope_axial"]
     with pytest.raises(AssertionError, match="trained again"):
         _script().main(args)  # without --reuse every run trains
 

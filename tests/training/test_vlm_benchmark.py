@@ -158,8 +158,15 @@ def test_quick_setting_end_to_end_learns(tmp_path, monkeypatch):
 
     monkeypatch.setattr(benchmark, "train_and_evaluate", no_training)
     csv_text = paths["video"]["csv"].read_text()
-    again = _script().main(["--setting", "quick", "--out", str(tmp_path), "--threads", "1", "--reuse"])
+    results = ["--results", str(tmp_path / "docs")]
+    again = _script().main(["--setting", "quick", "--out", str(tmp_path), "--threads", "1", "--reuse", *results])
     assert again["video"]["csv"].read_text() == csv_text
+    # --results: every task's table under the run's header line, and every row in one CSV
+    first, *rest = (tmp_path / "docs" / "vlm.md").read_text().splitlines()
+    assert first.startswith("Measured ") and "CPU" in first and str(tmp_path) not in first
+    assert "command: `python bench/vlm_extrapolation.py --setting quick --out .../" in first
+    assert "| rope_1d |" in "\n".join(rest) and rest[1].startswith("## ")
+    assert list(csv.DictReader((tmp_path / "docs" / "vlm.csv").open())) == rows
     # a saved run of another setting is not reused
     (tmp_path / "results" / "video_mrope_seed0.json").write_text('{"setting": "small", "rows": [{"acc": 1}]}')
     with pytest.raises(AssertionError, match="trained .*mrope"):
