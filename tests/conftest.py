@@ -1,7 +1,83 @@
+"""Shared fixtures, and the scheme lists of the generic tests, read from the registry.
+
+A scheme that is registered is covered by every generic test (forward/backward, shapes, dtypes, hostile input,
+export, compile, determinism, checkpoints, numerics, properties, patch dropout, models) without editing them: the
+lists below are derived from :func:`visionpe.list_schemes` and from attributes of the scheme classes when the test
+modules are collected. ``tests/test_custom_scheme.py`` registers a throwaway rotary scheme, imported here so that it
+is in the registry before any test module is collected.
+
+Capabilities a scheme class does not declare are kept as small exception lists here, each with the reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+
 import pytest
 import torch
+
+import visionpe
+from visionpe.registry import get_scheme_class
+from visionpe.rotary.lie_base import LieBlockRotary
+
+from . import test_custom_scheme  # noqa: F401 - registers the throwaway rotary scheme before collection
+
+ALL_SCHEMES = visionpe.list_schemes()
+ABSOLUTE = visionpe.list_schemes("absolute")
+ROTARY = visionpe.list_schemes("rotary")
+BIAS = visionpe.list_schemes("bias")
+# rotary and bias schemes: they act inside attention (patch dropout gathers their positions with the kept tokens)
+IN_ATTENTION = ROTARY + BIAS
+
+
+def scheme_class(name: str) -> type:
+    """The registered class of ``name``."""
+    return get_scheme_class(name)
+
+
+def takes_option(name: str, option: str) -> bool:
+    """Whether the constructor of ``name`` takes the keyword ``option`` (e.g. ``ndim``, ``grid_size``)."""
+    return option in inspect.signature(scheme_class(name).__init__).parameters
+
+
+def supported_extrapolation(name: str) -> tuple[str, ...]:
+    """The extrapolation modes the scheme implements (``supported_extrapolation``, read from a small instance: LieRE's
+    depends on its block size), ``("none",)`` for schemes without the extrapolation settings."""
+    scheme = visionpe.create_pos_embed(name, dim=32, num_heads=2)
+    return tuple(getattr(scheme, "supported_extrapolation", ("none",)))
+
+
+# LieRE and ComRoPE: exp(sum p_a A_a) in small blocks (visionpe/rotary/expm.py); their squaring count is read from
+# the generators, which compile, export and precision tests treat apart
+LIE = [n for n in ROTARY if issubclass(scheme_class(n), LieBlockRotary)]
+# rotary schemes that scale against the training grid ("pi", "ntk", "yarn")
+EXTRAPOLATING = [n for n in ROTARY if "pi" in supported_extrapolation(n)]
+# schemes that take 3D (t, y, x) grids through ``ndim=3``
+VIDEO = [n for n in ALL_SCHEMES if takes_option(n, "ndim")]
+
+# Not declared by the classes:
+# - ONNX export: schemes whose model does not export to ONNX, with the reason (torch.export works for all).
+ONNX_FAILS = {
+    "irpe": "torch.onnx's decomposition of the biased attention fails on a view (torch 2.14); torch.export works",
+    "string_cayley": "torch.linalg.solve_ex (the Cayley transform) has no ONNX translation; fold_string_ first",
+}
+# - torch.compile with dynamic shapes: schemes that recompile (cleanly) for every new grid instead of running all
+#   grids on one graph. LieRE and ComRoPE read their squaring count (set by the largest coordinate and the
+#   generators) outside the graph; iRPE caches its per-grid state in a dict keyed by the grid, CPE's convolution
+#   specialises on it, the per-offset bias schemes build Python index ranges over the tokens, and AOTAutograd fixes
+#   the token count of sincos and fourier tables added to tokens that require grad (their inference graph is
+#   dynamic).
+RECOMPILE_PER_GRID = {"irpe", "cpe", "alibi2d", "lookhere", "sincos", "fourier", *LIE}
+# - options a scheme needs in the small models of the generic tests (none so far: every scheme builds from the
+#   model's dim, num_heads and depth alone)
+MODEL_OPTIONS: dict[str, dict] = {}
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_unconfigure(config):
+    """The throwaway scheme leaves the registry with the test run."""
+    test_custom_scheme.unregister()

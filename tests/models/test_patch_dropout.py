@@ -1,5 +1,5 @@
-"""Patch dropout (timm's ``patch_drop_rate``) with every rotary and bias scheme (SCHEMES.md section 0: positions,
-rotations and biases are gathered with the kept indices).
+"""Patch dropout (timm's ``patch_drop_rate``) with every rotary and bias scheme: positions, rotations and biases are
+gathered with the kept indices.
 
 Reference: the same model without patch dropout, on the full grid, with the dropped patches masked out as keys.
 Tokens then only see the kept tokens, so the kept tokens' outputs must equal the patch-dropped model's.
@@ -10,24 +10,16 @@ import timm
 import torch
 
 import visionpe  # noqa: F401 - registers the visionpe_vit_* models with timm
+from visionpe.rotary.base import LinearRotary
 
+from ..conftest import IN_ATTENTION, ROTARY, scheme_class
 from ..model_checks import random_keep
 
 SMALL = dict(embed_dim=64, depth=2, num_heads=2, num_classes=5, img_size=(48, 80))
-SCHEMES = [
-    "rope_axial",
-    "rope_mixed",
-    "string_cayley",
-    "string_circulant",
-    "liere",
-    "comrope_ap",
-    "comrope_ld",
-    "irpe",
-    "lookhere",
-    "alibi2d",
-    ["learned", "rope_mixed"],
-    ["rope_axial", "alibi2d"],
-]
+# every registered rotary and bias scheme (absolute schemes act before the blocks), and two combinations
+SCHEMES = [*IN_ATTENTION, ["learned", "rope_mixed"], ["rope_axial", "alibi2d"]]
+# the rotary schemes whose rotation is a cos/sin table per token (LinearRotary): rotate_kept gathers the tables
+TABLE_SCHEMES = [n for n in ROTARY if issubclass(scheme_class(n), LinearRotary)]
 OPTIONS = {"irpe": {"on": "qkv", "shared_heads": False}}  # the value term too (explicit attention)
 
 
@@ -92,7 +84,7 @@ def test_patch_dropout_still_refused_for_a_conv_between_blocks():
         _model("cpe", patch_drop_rate=0.5)
 
 
-@pytest.mark.parametrize("name", ["rope_axial", "rope_mixed", "string_cayley", "string_circulant"])
+@pytest.mark.parametrize("name", TABLE_SCHEMES)
 def test_table_schemes_rotate_the_kept_tokens_from_gathered_tables(name):
     # the gathered tables (rotate_kept) against the generic path: rotate on the full sequence, dropped rows zero,
     # and gather back; STRING with its P not folded into the projection (as with qk_norm)

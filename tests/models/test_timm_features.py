@@ -4,10 +4,12 @@ import pytest
 import timm
 import torch
 
+from ..conftest import ALL_SCHEMES
+
 ARGS = dict(depth=4, embed_dim=32, num_heads=2, img_size=32, patch_size=8)
 
 
-@pytest.mark.parametrize("pos_embed", ["learned", "rope_mixed", ["learned", "irpe"]])
+@pytest.mark.parametrize("pos_embed", [*ALL_SCHEMES, ["learned", "irpe"]], ids=str)
 def test_features_only_default_out_indices_are_the_last_three_blocks(pos_embed):
     model = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=pos_embed, features_only=True, **ARGS).eval()
     assert model.feature_info.channels() == [32] * 3 and model.feature_info.reduction() == [8] * 3

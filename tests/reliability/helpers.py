@@ -1,4 +1,5 @@
-"""Tiny models and per-kind scheme calls shared by the reliability tests."""
+"""Tiny models and per-kind scheme calls shared by the reliability tests; the scheme lists come from the registry
+(see tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import torch
 import visionpe
 from visionpe.rotary.base import LinearRotary
 
-ALL_SCHEMES = visionpe.list_schemes()
-ROTARY = visionpe.list_schemes("rotary")
-LIE = ["comrope_ap", "comrope_ld", "liere"]  # exp(sum p_a A_a) in 8 x 8 blocks (visionpe/rotary/expm.py)
+from ..conftest import ALL_SCHEMES, LIE, ROTARY
+
+__all__ = ["ALL_SCHEMES", "LIE", "ROTARY", "perturb_", "position_tables", "tiny_vit"]
 
 
 def tiny_vit(pos_embed, img_size=32, patch_size=8, **kwargs) -> visionpe.VisionPEViT:

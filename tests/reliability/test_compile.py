@@ -15,18 +15,14 @@ from torch._dynamo.utils import counters
 import visionpe
 from visionpe.multimodal import MultimodalRotary, apply_multimodal_rotary, get_position_ids
 
+from ..conftest import RECOMPILE_PER_GRID
 from .helpers import ALL_SCHEMES, LIE, perturb_, tiny_vit
 
 # One graph with dynamic shapes (torch.compile(dynamic=True)) runs all three grids of a scheme; a parameter update
-# (a training step) reuses it too.
+# (a training step) reuses it too. The schemes of RECOMPILE_PER_GRID (tests/conftest.py, with the reasons) recompile
+# cleanly for every new grid instead; for LieRE and ComRoPE a count that new weights change recompiles once (new
+# weights with the same count do not). ALiBi shares LookHere's per-offset code: one size keeps the suite short.
 SIZES = [(3, 4), (4, 6), (5, 3)]
-# Schemes that recompile (cleanly) for every new grid instead: LieRE and ComRoPE read their squaring count (set by
-# the largest coordinate and the generators) outside the graph, so a count that a new grid or new weights change
-# recompiles once (new weights with the same count do not); iRPE caches its per-grid state in a dict keyed by the
-# grid, CPE's convolution specialises on it, the per-offset bias schemes build Python index ranges over the tokens,
-# and AOTAutograd fixes the token count of sincos and fourier tables added to tokens that require grad (their
-# inference graph is dynamic). ALiBi shares LookHere's per-offset code: one size keeps the suite short.
-RECOMPILE_PER_GRID = {"irpe", "cpe", "alibi2d", "lookhere", "sincos", "fourier", *LIE}
 ONE_SIZE = {"alibi2d"}
 TOL = dict(rtol=1e-4, atol=1e-4)
 

@@ -55,6 +55,6 @@ def test_same_seed_same_weights(name):
     assert sorted(moved) == sorted(trainable)
 
 
-@pytest.mark.parametrize("name", ["rope_mixed", "irpe", "liere", "learned"])
+@pytest.mark.parametrize("name", ALL_SCHEMES)
 def test_same_seed_same_weights_under_bf16_autocast(name):
     assert not _differs(_train(name, seed=3, autocast=True), _train(name, seed=3, autocast=True))

@@ -9,11 +9,8 @@ import torch
 import visionpe
 from visionpe.rotary import expm
 
+from ..conftest import ONNX_FAILS
 from .helpers import ALL_SCHEMES, LIE, perturb_, tiny_vit
-
-_IRPE_ONNX = "torch.onnx's decomposition of the biased attention fails on a view (torch 2.14); torch.export works"
-_CAYLEY_ONNX = "torch.linalg.solve_ex (the Cayley transform) has no ONNX translation; fold_string_ first (tested)"
-ONNX_FAILS = {"irpe": _IRPE_ONNX, "string_cayley": _CAYLEY_ONNX}
 
 
 def _model(pos_embed):

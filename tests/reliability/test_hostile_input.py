@@ -10,6 +10,7 @@ import visionpe
 from visionpe.grid import grid_coords, prefix_mask, validate_grid_size
 from visionpe.multimodal import MultimodalRotary, apply_multimodal_rotary, get_position_ids
 
+from ..conftest import ABSOLUTE, EXTRAPOLATING
 from .helpers import ROTARY, tiny_vit
 
 NAN, INF = float("nan"), float("inf")
@@ -46,7 +47,8 @@ def _run(call, error, match):
         _case(lambda: grid_coords((2, 3), mode="pixel"), ValueError, r"mode must be one of .* got 'pixel'", "mode"),
         _case(lambda: grid_coords((2, 3), mode="ref_scaled"), ValueError, r"needs ref_grid_size .* got None", "ref"),
         _case(lambda: prefix_mask(1, -4), ValueError, r"num_patches must be a non-negative int, got -4", "patches"),
-        _case(lambda: prefix_mask(1, 2.5), ValueError, r"num_patches must be a non-negative int, got 2.5", "float"),
+        _case(lambda: prefix_mask(1, 2.5), TypeError, r"num_patches must be a non-negative int, got float", "float"),
+        _case(lambda: prefix_mask(1, 2.5), ValueError, r"int, got float \(2.5\)", "float_is_value_error"),
         _case(lambda: prefix_mask(-1, 4), ValueError, r"num_prefix_tokens must be a non-negative int, got -1", "pre"),
     ],
 )
@@ -131,7 +133,7 @@ def test_scheme_options(name, kwargs, match):
         visionpe.create_pos_embed(name, dim=32, num_heads=2, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["rope_axial", "rope_mixed", "string_cayley", "string_circulant", "liere"])
+@pytest.mark.parametrize("name", EXTRAPOLATING)
 def test_rotate_with_extrapolation_needs_a_grid(name):
     scheme = visionpe.create_pos_embed(name, dim=32, num_heads=2, depth=2, grid_size=(2, 3), extrapolation="pi")
     x, jittered = torch.randn(1, 2, 6, 16), grid_coords((2, 3)) + 0.25
@@ -144,7 +146,7 @@ def test_rotate_with_extrapolation_needs_a_grid(name):
     assert scheme.rotate(x, jittered, grid_size=(4, 6)).shape == x.shape
 
 
-@pytest.mark.parametrize("name", ["rope_axial", "rope_mixed", "string_cayley", "string_circulant", "liere"])
+@pytest.mark.parametrize("name", EXTRAPOLATING)
 def test_train_grid_of_the_wrong_rank(name):
     scheme = visionpe.create_pos_embed(name, dim=32, num_heads=2, grid_size=(2, 3))
     with pytest.raises(ValueError, match=r"train_grid_size must have 2 entries, got 3: \(1, 2, 3\)"):
@@ -152,8 +154,6 @@ def test_train_grid_of_the_wrong_rank(name):
 
 
 # -- absolute schemes: forward(x, grid_size, num_prefix_tokens) ----------------------------------------------------
-
-ABSOLUTE = visionpe.list_schemes("absolute")
 
 
 def _absolute_cases():
