@@ -388,6 +388,7 @@ def test_per_sample_option_tensor_is_still_accepted():
 
 
 def test_import_without_transformers():
+    # the core and the multimodal schemes import without transformers; this module says which extra it needs
     code = (
         "import sys\n"
         "class Block:\n"
@@ -395,11 +396,11 @@ def test_import_without_transformers():
         "        if name.split('.')[0] == 'transformers':\n"
         "            raise ImportError('blocked')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import visionpe, visionpe.multimodal, visionpe.integrations.hf as hf\n"
+        "import visionpe, visionpe.multimodal\n"
         "try:\n"
-        "    hf.apply_position_scheme(None, 'mrope')\n"
+        "    import visionpe.integrations.hf\n"
         "except ImportError as err:\n"
-        "    assert 'pip install visionpe[vlm]' in str(err)\n"
+        "    assert 'pip install \"visionpe[vlm]\"' in str(err), err\n"
         "    print('ok')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -408,7 +409,7 @@ def test_import_without_transformers():
 
 @pytest.mark.parametrize("family, scheme", [("qwen2_vl", "videorope"), ("qwen2_5_vl", "v2pe"), ("qwen3_vl", "hope")])
 def test_missing_token_types_is_an_error_not_all_text_ids(family, scheme):
-    # B12 #5: the layout cannot be read from the ids (nor from inputs_embeds), so the adapter takes token types and
+    # the layout cannot be read from the ids (nor from inputs_embeds), so the adapter takes token types and
     # must not fall back to all-text (1-D) positions for a batch with visual tokens when they are missing.
     model = apply_position_scheme(tiny_model(family), scheme)
     inputs = batch(IMAGES)
@@ -428,7 +429,7 @@ FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 @pytest.mark.parametrize("path", ["forward", "generate", "inputs_embeds"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_patched_model_has_no_silent_all_text_fallback(family, path):
-    # B12 #5: transformers 5.x never calls get_rope_index without mm_token_type_ids (or, in forward, without
+    # transformers 5.x never calls get_rope_index without mm_token_type_ids (or, in forward, without
     # input_ids) and falls back to 1-D text positions (Qwen2.5-VL's forward does not even check); with visual inputs,
     # the patched model raises instead, in forward, in generate and for an inputs_embeds-only forward.
     model = apply_position_scheme(tiny_model(family), "videorope")
@@ -504,8 +505,9 @@ def test_patched_methods_follow_deepcopy_and_removal_through_the_inner_model():
 
 
 def test_default_interleaved_section_fits_every_head_size():
-    # B4: pair n -> h if n % 3 == 1 and n < 3 s_h, -> w if n % 3 == 2 and n < 3 s_w, so the default section (for a
-    # model whose own mrope_section does not fit its head size) must keep 3 s_h <= P + 1 and 3 s_w <= P.
+    # the interleaved allocation: pair n -> h if n % 3 == 1 and n < 3 s_h, -> w if n % 3 == 2 and n < 3 s_w, so
+    # the default section (for a model whose own mrope_section does not fit its head size) must keep 3 s_h <= P + 1
+    # and 3 s_w <= P.
     inputs = batch(IMAGES)
     del inputs["mm_token_type_ids"], inputs["pixel_values"], inputs["image_grid_thw"]  # text only: runs for any P
     sections = {}

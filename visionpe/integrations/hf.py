@@ -76,7 +76,7 @@ def _inner_model(model: nn.Module) -> tuple[nn.Module, str]:
 def _scaled_section(default: tuple[int, int, int], num_pairs: int, interleaved: bool = False) -> tuple[int, int, int]:
     """A (t, h, w) split of ``num_pairs`` in the proportions of ``default``, with h == w where the layout allows it.
 
-    For the interleaved allocation (B4: pair n -> h if n % 3 == 1 and n < 3 s_h, -> w if n % 3 == 2 and n < 3 s_w)
+    For the interleaved allocation (pair n -> h if n % 3 == 1 and n < 3 s_h, -> w if n % 3 == 2 and n < 3 s_w)
     every section pair must exist, i.e. 3 s_h <= P + 1 and 3 s_w <= P: h and w are each cut to their largest
     value there and t takes the rest (2 pairs -> (1, 1, 0), 5 pairs -> (2, 2, 1)); splits that already fit stay.
     """
@@ -97,7 +97,7 @@ _PATCHED_METHODS = (
 
 
 def _require_token_types(scheme: str, inputs: dict[str, Any]) -> None:
-    """Raise unless ``inputs`` carry ``mm_token_type_ids`` or no visual input (B12 #5: no all-text fallback)."""
+    """Raise unless ``inputs`` carry ``mm_token_type_ids`` or no visual input (never an all-text fallback)."""
     visual = [name for name in _VISUAL_INPUTS if inputs.get(name) is not None]
     if visual and inputs.get("mm_token_type_ids") is None:
         raise ValueError(
@@ -257,10 +257,6 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
     settings, as on a fresh model: ``apply_position_scheme(apply_position_scheme(m, "mrope"), "videorope")``
     behaves as ``apply_position_scheme(m, "videorope")``. :func:`remove_position_scheme` undoes the patch.
     """
-    try:
-        importlib.import_module("transformers")
-    except ImportError as err:
-        raise ImportError("apply_position_scheme needs transformers: pip install visionpe[vlm]") from err
     vl_model, class_name = _inner_model(model)
     entry = get_multimodal_scheme(scheme)
     design_kwargs = {k: v for k, v in kwargs.items() if k not in _ROTARY_OPTIONS}
@@ -400,10 +396,6 @@ def remove_position_scheme(model: nn.Module) -> nn.Module:
         >>> apply_position_scheme(model, "videorope")  # doctest: +SKIP
         >>> remove_position_scheme(model)  # doctest: +SKIP
     """
-    try:
-        importlib.import_module("transformers")
-    except ImportError as err:
-        raise ImportError("remove_position_scheme needs transformers: pip install visionpe[vlm]") from err
     vl_model, _ = _inner_model(model)
     current = vl_model.language_model.rotary_emb
     originals = current.originals if isinstance(current, _HFRotary) else {}

@@ -60,7 +60,7 @@ def _v2pe_train(batch_size: int, generator: torch.Generator | None, num_blocks: 
 
 
 def _hope_train(batch_size: int, generator: torch.Generator | None, num_blocks: int) -> dict[str, Any]:
-    return {"temporal_scale": sample_hope_scale(batch_size, generator, num_blocks)}  # per visual span (B9)
+    return {"temporal_scale": sample_hope_scale(batch_size, generator, num_blocks)}  # per visual span, as HoPE draws it
 
 
 BENCH_SCHEMES: dict[str, BenchScheme] = {
