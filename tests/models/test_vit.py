@@ -41,15 +41,15 @@ def test_registered_with_timm():
 def test_rotary_tables_recomputed_not_resampled():
     model = _model("rope_axial", dynamic_img_size=True)
     ctx = model.position_context((20, 24), torch.device("cpu"))
-    scheme, state = ctx.rotary[0]
-    cos, _ = scheme.layer_tables(state, 0)
+    (state,) = ctx.rotary  # the rotary scheme's per-forward state
+    cos, _ = model.pos_schemes["rope_axial"].layer_tables(state, 0)
     assert cos.shape[-2] == 1 + 20 * 24  # built for the new grid, prefix row included
 
 
 def test_prefix_tokens_not_rotated_by_model():
     model = _model("rope_mixed", reg_tokens=2)
-    ((scheme, state),) = model.position_context((14, 14), torch.device("cpu")).rotary
-    cos, sin = scheme.layer_tables(state, 1)
+    (state,) = model.position_context((14, 14), torch.device("cpu")).rotary
+    cos, sin = model.pos_schemes["rope_mixed"].layer_tables(state, 1)
     assert (cos[..., :3, :] == 1).all() and (sin[..., :3, :] == 0).all()
 
 
@@ -166,7 +166,7 @@ def test_rotary_with_qk_norm_matches_manual_rotation():
     x = torch.randn(1, 1 + 196, 64)
     ctx = model.position_context((14, 14), torch.device("cpu"))
     q, k, v = attn.qkv(x).reshape(1, 197, 3, 2, 32).permute(2, 0, 3, 1, 4).unbind(0)
-    scheme, state = ctx.rotary[0]
+    scheme, (state,) = model.pos_schemes["rope_axial"], ctx.rotary
     qk = scheme.apply(torch.stack((attn.q_norm(q), attn.k_norm(k))), state, 0)
     expected = torch.nn.functional.scaled_dot_product_attention(qk[0], qk[1], v)
     expected = attn.proj(expected.transpose(1, 2).reshape(1, 197, 64))

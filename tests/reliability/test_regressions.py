@@ -53,7 +53,7 @@ def test_model_rotation_of_a_non_square_grid_equals_rotation_at_explicit_y_x(nam
     """The rotation the model applies to patch token k is the scheme's rotation at (y, x) = (k // W, k % W)."""
     torch.manual_seed(0)
     model = perturb_(tiny_vit(name, dynamic_img_size=True))
-    scheme, state = model.position_context((HEIGHT, WIDTH), torch.device("cpu")).rotary[0]
+    scheme, (state,) = model.pos_schemes[name], model.position_context((HEIGHT, WIDTH), torch.device("cpu")).rotary
     x = torch.randn(1, 2, 1 + HEIGHT * WIDTH, 16)
     in_model = scheme.apply(torch.stack([x, x]), state, 0)[0]
     explicit = scheme.rotate(x[:, :, 1:], _explicit_coords(scheme, HEIGHT, WIDTH))
