@@ -91,8 +91,8 @@ def test_product_ids_use_rows_then_columns_on_non_square_grid():
 
 def _naive_lookup(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """r_{I(i,j)}: table (..., n_b) read at every pair, (..., N, N). Cross (ids (2, N, N)) reads p^y_{g(dy)} +
-    p^x_{g(dx)} for patch pairs and the one extra bucket, once, for pairs involving a prefix token (SCHEMES.md A5);
-    its row-offset ids are in [0, S), so id 2S in the first half marks a prefix pair."""
+    p^x_{g(dx)} for patch pairs and the one extra bucket, once, for pairs involving a prefix token, as the paper's
+    official code does; its row-offset ids are in [0, S), so id 2S in the first half marks a prefix pair."""
     if ids.ndim == 2:
         return table[..., ids]
     prefix_pair = ids[0] == table.shape[-1] - 1 if table.shape[-1] % 2 else torch.zeros_like(ids[0], dtype=torch.bool)

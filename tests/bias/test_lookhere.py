@@ -203,8 +203,9 @@ def test_non_finite_directions_are_refused(bad):
 
 @pytest.mark.parametrize("fov", [45.0, 90.0, 180.0, 270.0])
 def test_a_token_always_sees_itself_whatever_the_view_test_gives(fov):
-    """A11: FOV_h(i) = {j : j = i or angle(p_j - p_i, u_h) <= FOV/2}. j = i is in by definition, not through the
-    angle test (0 >= 0), which a NaN direction fails; the half-plane branch needs the term like the sectors."""
+    """The paper's field of view: FOV_h(i) = {j : j = i or angle(p_j - p_i, u_h) <= FOV/2}. j = i is in by
+    definition, not through the angle test (0 >= 0), which a NaN direction fails; the half-plane branch needs the
+    term like the sectors."""
     from visionpe.bias.lookhere import _fov_mask, _offsets
 
     dy, dx = _offsets((3, 5), None)

@@ -71,7 +71,7 @@ def test_global_slope_is_validated_on_assignment(name, value):
 @pytest.mark.parametrize("name", sorted(PENALTIES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_bias_is_the_fp32_bias_rounded_once(name, dtype):
-    # SCHEMES.md precision convention: slope times distance in fp32, one rounding to the activation dtype at the end
+    # the package's precision rule: slope times distance in fp32, one rounding to the activation dtype at the end
     scheme = PENALTIES[name](0.6)
     for grid, rows in (((5, 7), None), ((5, 7), slice(4, 20)), ((40, 40), slice(700, 760))):  # cached / chunked
         state = scheme.prepare(grid, 1)

@@ -2,13 +2,17 @@
 bias memory to (h, chunk, N) at large grids, and the same bias whether their state caches the full (N, N) maps
 (small grids) or expands the rows in use from coordinates (large grids)."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from visionpe.bias.alibi2d import Alibi2D
+import visionpe
 from visionpe.bias.irpe import IRPE
 from visionpe.bias.lookhere import LookHere
+
+from ..conftest import BIAS
 
 
 def _attention(scheme, state, q, k, v, layer, rows=None):
@@ -21,16 +25,14 @@ def _attention(scheme, state, q, k, v, layer, rows=None):
     return attn @ v + scheme.value_term(attn, state, layer, **kwargs)
 
 
-SCHEMES = [
-    lambda: IRPE(24, 3, 2, on="qkv", method="cross", shared_heads=False),
-    lambda: IRPE(24, 3, 2, on="qk", mode="bias"),
-    lambda: IRPE(24, 3, 2, method="euclidean", on="qkv"),
-    lambda: IRPE(24, 3, 2),
-    lambda: IRPE(24, 3, 2, method="quant", on="kv", num_prefix_tokens=0),
-    lambda: LookHere(24, 3, 2, variant="45"),
-    lambda: LookHere(24, 3, 2, variant="90"),
-    lambda: LookHere(24, 3, 2),
-    lambda: Alibi2D(24, 3, 2),
+# every registered bias scheme with its defaults, then other settings of iRPE and LookHere
+SCHEMES = [pytest.param(partial(visionpe.create_pos_embed, n, dim=24, num_heads=3, depth=2), id=n) for n in BIAS] + [
+    pytest.param(partial(IRPE, 24, 3, 2, on="qkv", method="cross", shared_heads=False), id="irpe-cross-qkv"),
+    pytest.param(partial(IRPE, 24, 3, 2, on="qk", mode="bias"), id="irpe-bias-qk"),
+    pytest.param(partial(IRPE, 24, 3, 2, method="euclidean", on="qkv"), id="irpe-euclidean-qkv"),
+    pytest.param(partial(IRPE, 24, 3, 2, method="quant", on="kv", num_prefix_tokens=0), id="irpe-quant-kv"),
+    pytest.param(partial(LookHere, 24, 3, 2, variant="45"), id="lookhere-45"),
+    pytest.param(partial(LookHere, 24, 3, 2, variant="90"), id="lookhere-90"),
 ]
 
 
@@ -42,14 +44,18 @@ def test_chunked_attention_equals_full(make, cached, prefix):
     scheme = make()
     if isinstance(scheme, IRPE) and (prefix > 0) != (scheme.num_prefix_tokens > 0):
         pytest.skip("iRPE tables are built for a fixed prefix/no-prefix setting")
+    if not hasattr(scheme, "full_state_max_tokens") and not cached:
+        pytest.skip("the scheme has no choice between cached maps and rows built from coordinates")
     for param in scheme.parameters():
         torch.nn.init.normal_(param, std=0.5)
     n = prefix + 15
     q, k, v = (torch.randn(2, 3, n, 8) for _ in range(3))
     full = _attention(scheme, scheme.prepare((3, 5), prefix), q, k, v, 1)  # default: full maps cached
-    scheme.full_state_max_tokens = 1024 if cached else 0
+    if hasattr(scheme, "full_state_max_tokens"):
+        scheme.full_state_max_tokens = 1024 if cached else 0
     state = scheme.prepare((3, 5), prefix)
-    assert (getattr(state, "flat", None) if isinstance(scheme, IRPE) else state.index) is None or cached
+    if not cached:
+        assert (getattr(state, "flat", None) if isinstance(scheme, IRPE) else state.index) is None
     torch.testing.assert_close(_attention(scheme, state, q, k, v, 1), full, atol=1e-5, rtol=1e-5)
     chunks = [_attention(scheme, state, q, k, v, 1, slice(s, s + 6)) for s in range(0, n, 6)]
     torch.testing.assert_close(torch.cat(chunks, dim=2), full, atol=1e-5, rtol=1e-5)
@@ -61,6 +67,8 @@ def test_chunked_attention_equals_full(make, cached, prefix):
 def test_row_state_gives_the_exact_bias(make):
     torch.manual_seed(0)
     cached, rows = make(), make()
+    if not hasattr(rows, "full_state_max_tokens"):
+        pytest.skip("the scheme has no choice between cached maps and rows built from coordinates")
     rows.load_state_dict(cached.state_dict())
     rows.full_state_max_tokens = 0
     grid, prefix = (4, 7), cached.num_prefix_tokens if isinstance(cached, IRPE) else 1

@@ -194,7 +194,7 @@ def test_positions_consumed_per_block_b11(scheme, kw, image, video):
         scheme, img, torch.tensor([[1, 4, 6]]), **{k: v for k, v in kw.items() if k != "second_per_grid_ts"}
     )
     pos_v, _ = get_position_ids(scheme, vid, None, torch.tensor([[3, 4, 4]]), **kw)
-    extra = 1 if kw.get("spatial_reset") else 0  # B11 counts the <ve> token inside the block for MRoPE-I reset
+    extra = 1 if kw.get("spatial_reset") else 0  # MRoPE-I's spatial reset counts the <ve> token inside the block
     assert pos_i[0, 0, -1] - pos_i[0, 0, 0] - 1 + extra == image
     assert pos_v[0, 0, -1] - pos_v[0, 0, 0] - 1 + extra == video
 

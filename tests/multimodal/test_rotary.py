@@ -56,7 +56,7 @@ def rope_1d(positions, head_dim, base, dtype=torch.float):
 @pytest.mark.parametrize("scheme", [s for s in list_multimodal_schemes() if s not in ("hope", "mhrope")])
 def test_text_only_equals_1d_rope(scheme):
     """All rows are arange exactly. Integer designs (int64 ids) give transformers' fp32 1-D RoPE bit for bit;
-    fractional designs (float64 ids) give 1-D RoPE taken in fp64 (SCHEMES.md section 0), rounded once to fp32."""
+    fractional designs (float64 ids) give 1-D RoPE taken in fp64, rounded once to fp32."""
     types = torch.zeros(2, 9, dtype=torch.long)
     pos, _ = get_position_ids(scheme, types)
     assert torch.equal(pos, torch.arange(9).expand(3, 2, -1).to(pos.dtype))
@@ -158,7 +158,8 @@ def test_matches_transformers_rotary_tables():
 
 
 def _interleaved_rule(num_pairs, section):
-    """B4 by the letter: pair n -> h if n % 3 == 1 and n < 3 s_h, -> w if n % 3 == 2 and n < 3 s_w, else t."""
+    """The interleaved allocation by the letter, as the official code does: pair n -> h if n % 3 == 1 and
+    n < 3 s_h, -> w if n % 3 == 2 and n < 3 s_w, else t."""
     return [
         1 if n % 3 == 1 and n < 3 * section[1] else 2 if n % 3 == 2 and n < 3 * section[2] else 0
         for n in range(num_pairs)
@@ -245,7 +246,7 @@ def test_build_allocation_name_must_be_a_string():
 
 @pytest.mark.parametrize("scheme", list_multimodal_schemes())
 def test_low_precision_tables_are_fp32_tables_cast_at_the_end(scheme):
-    # B12 #7: the angles are fp32 whatever the table dtype (and under autocast); only cos and sin are cast.
+    # the angles are fp32 whatever the table dtype (and under autocast); only cos and sin are cast.
     kw = {"num_kv_heads": 2} if scheme == "mhrope" else {}
     rot = MultimodalRotary.from_scheme(scheme, 128, base=1e4, **kw)
     t = 3000.25 + 0.5 * torch.arange(16.0)  # large fractional ids: a bf16 angle would be off by up to 8 rad

@@ -178,9 +178,10 @@ def test_fp32_angles_at_one_million_are_within_0_1_rad_of_exact():
 
 
 def test_v2pe_steps_survive_one_million_in_fp64_down_to_one_256th():
-    """V2PE's fractional ids are float64 end to end (SCHEMES.md section 0, B6 pitfall): at 1e6 every delta down to
-    the 1/256 of training gives strictly increasing visual ids (in fp32 steps below ulp(1e6) = 1/16 collapse), each
-    token gets its own rotation, and the angles, taken in fp64, equal a float64 reference after the cast to fp32."""
+    """V2PE's fractional ids are float64 end to end (fp32 would merge its steps above 2^16): at 1e6 every delta
+    down to the 1/256 of training gives strictly increasing visual ids (in fp32 steps below ulp(1e6) = 1/16
+    collapse), each token gets its own rotation, and the angles, taken in fp64, equal a float64 reference after the
+    cast to fp32."""
     rotary = _multimodal_rotary("v2pe")
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
     for delta in V2PE_DELTAS:

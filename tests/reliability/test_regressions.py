@@ -1,5 +1,6 @@
-"""Regressions the ecosystem has hit (SCHEMES.md pitfalls): x/y swaps on non-square grids, rope_deltas with left
-padding in mixed image/text batches, fractional temporal strides, stale deltas across two ``generate`` calls.
+"""Regressions the ecosystem has hit (bugs reported against other position-encoding code): x/y swaps on non-square
+grids, rope_deltas with left padding in mixed image/text batches, fractional temporal strides, stale deltas across
+two ``generate`` calls.
 
 (Already covered elsewhere: rope_axial == timm's ``grid_indexing="xy"`` and not ``"ij"``, iRPE rows-then-columns,
 LookHere directions, sincos's first half on the column, CPE's (H, W) from the grid; deltas under left padding
