@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from visionpe.grid import grid_coords, prefix_mask
+from visionpe.checks import ArgumentTypeError, check_bool, check_choice, check_float, check_instance, check_tensor
+from visionpe.grid import grid_coords, prefix_mask, validate_count, validate_positive
 
 
 def test_modes_on_non_square_grid():
@@ -35,3 +36,32 @@ def test_prefix_mask():
 def test_bad_input(args, match):
     with pytest.raises((ValueError, TypeError), match=match):
         grid_coords(*args)
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: validate_count(True, "count"), ArgumentTypeError, r"non-negative int, got bool \(True\)"),
+        (lambda: validate_count(-2, "count"), ValueError, r"count must be a non-negative int, got -2"),
+        (lambda: validate_positive("1", "ratio"), ArgumentTypeError, r"ratio must be a positive .*, got str"),
+        (lambda: validate_positive(float("nan"), "ratio"), ValueError, r"positive finite number, got nan"),
+        (lambda: check_float(361, "fov", min=0, max=360, min_open=True), ValueError, r"number in \(0, 360\]"),
+        (lambda: check_choice([1], "mode", ("a", "b")), ValueError, r"mode must be one of \('a', 'b'\), got \[1\]"),
+        (lambda: check_tensor([1.0], "x", dtype="real"), ArgumentTypeError, r"x must be a real .* tensor, got list"),
+        (lambda: check_tensor(torch.ones(2).bool(), "x", dtype="integer"), TypeError, r"got dtype torch.bool"),
+        (lambda: check_instance(True, "n", int, expected="an int"), ArgumentTypeError, r"n must be an int, got bool"),
+    ],
+)
+def test_argument_checks(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_a_wrong_type_is_a_type_error_that_code_catching_value_error_also_catches():
+    assert issubclass(ArgumentTypeError, TypeError) and issubclass(ArgumentTypeError, ValueError)
+    for bad in (2.0, "3", None, True):
+        with pytest.raises(TypeError):
+            validate_count(bad)
+        with pytest.raises(ValueError):
+            validate_count(bad)
+    assert validate_count(0) == 0 and validate_positive(3, "ratio") == 3.0 and check_bool(False, "flag") is False

@@ -1,6 +1,9 @@
 import pytest
 
 import visionpe
+from visionpe.registry import get_scheme_class, register_scheme, unregister_scheme
+
+from .conftest import ALL_SCHEMES
 
 
 def test_core_schemes_listed_by_kind():
@@ -32,7 +35,7 @@ DECAYED_POSITION_PARAMETERS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(visionpe.list_schemes()))
+@pytest.mark.parametrize("name", ALL_SCHEMES)
 def test_weight_decay_skips_every_learned_position_parameter(name):
     """Learned position tables, frequencies, generators (LieRE, ComRoPE), STRING's P and iRPE's tables are kept out
     of weight decay by timm's optimizer factory (it decays the >= 2-D parameters not in no_weight_decay)."""
@@ -45,3 +48,30 @@ def test_weight_decay_skips_every_learned_position_parameter(name):
     prefix = f"pos_schemes.{name}."
     position = {n.removeprefix(prefix): p for n, p in model.named_parameters() if n.startswith(prefix)}
     assert {n for n, p in position.items() if id(p) in decayed} == DECAYED_POSITION_PARAMETERS.get(name, set())
+
+
+def test_register_and_unregister():
+    cls = get_scheme_class("sincos")
+    with pytest.raises(ValueError, match="'sincos' is already registered to SinCosPosEmbed"):
+        register_scheme("sincos")(type("Other", (cls,), {}))
+    assert register_scheme("sincos")(cls) is cls  # the same class again: nothing changes
+    assert unregister_scheme("sincos") is cls
+    try:
+        assert "sincos" not in visionpe.list_schemes()
+        with pytest.raises(ValueError, match="unknown position scheme 'sincos'"):
+            unregister_scheme("sincos")
+    finally:
+        register_scheme("sincos")(cls)
+    assert visionpe.create_pos_embed("sincos", dim=32, num_heads=2).kind == "absolute"
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: visionpe.list_schemes("video"), ValueError, r"kind must be one of .* or None, got 'video'"),
+        (lambda: get_scheme_class(3), TypeError, r"scheme name must be a str, got int \(3\)"),
+    ],
+)
+def test_bad_arguments(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
