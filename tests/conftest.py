@@ -50,8 +50,11 @@ def supported_extrapolation(name: str) -> tuple[str, ...]:
 # LieRE and ComRoPE: exp(sum p_a A_a) in small blocks (visionpe/rotary/expm.py); their squaring count is read from
 # the generators, which compile, export and precision tests treat apart
 LIE = [n for n in ROTARY if issubclass(scheme_class(n), LieBlockRotary)]
-# rotary schemes that scale against the training grid ("pi", "ntk", "yarn")
+# rotary schemes that scale against the training grid ("pi", "ntk", "yarn"), and the options they need for it:
+# ComRoPE normalises positions by the test grid by default (``pos_norm``), which already interpolates, so it
+# extrapolates with positions normalised by the training grid
 EXTRAPOLATING = [n for n in ROTARY if "pi" in supported_extrapolation(n)]
+EXTRAPOLATION_OPTIONS = {n: {"pos_norm": "train_grid"} for n in EXTRAPOLATING if takes_option(n, "pos_norm")}
 # schemes that take 3D (t, y, x) grids through ``ndim=3``
 VIDEO = [n for n in ALL_SCHEMES if takes_option(n, "ndim")]
 

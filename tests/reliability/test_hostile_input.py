@@ -10,7 +10,7 @@ import visionpe
 from visionpe.grid import grid_coords, prefix_mask, validate_grid_size
 from visionpe.multimodal import MultimodalRotary, apply_multimodal_rotary, get_position_ids
 
-from ..conftest import ABSOLUTE, EXTRAPOLATING
+from ..conftest import ABSOLUTE, EXTRAPOLATING, EXTRAPOLATION_OPTIONS
 from .helpers import ROTARY, tiny_vit
 
 NAN, INF = float("nan"), float("inf")
@@ -135,7 +135,8 @@ def test_scheme_options(name, kwargs, match):
 
 @pytest.mark.parametrize("name", EXTRAPOLATING)
 def test_rotate_with_extrapolation_needs_a_grid(name):
-    scheme = visionpe.create_pos_embed(name, dim=32, num_heads=2, depth=2, grid_size=(2, 3), extrapolation="pi")
+    options = {"grid_size": (2, 3), "extrapolation": "pi", **EXTRAPOLATION_OPTIONS.get(name, {})}
+    scheme = visionpe.create_pos_embed(name, dim=32, num_heads=2, depth=2, **options)
     x, jittered = torch.randn(1, 2, 6, 16), grid_coords((2, 3)) + 0.25
     with pytest.raises(ValueError, match=r"extrapolation='pi'.*pass grid_size=\(\.\.\.\) to rotate"):
         scheme.rotate(x, jittered)
@@ -148,7 +149,8 @@ def test_rotate_with_extrapolation_needs_a_grid(name):
 
 @pytest.mark.parametrize("name", EXTRAPOLATING)
 def test_train_grid_of_the_wrong_rank(name):
-    scheme = visionpe.create_pos_embed(name, dim=32, num_heads=2, grid_size=(2, 3))
+    options = {"grid_size": (2, 3), **EXTRAPOLATION_OPTIONS.get(name, {})}
+    scheme = visionpe.create_pos_embed(name, dim=32, num_heads=2, **options)
     with pytest.raises(ValueError, match=r"train_grid_size must have 2 entries, got 3: \(1, 2, 3\)"):
         scheme.set_extrapolation("pi", train_grid_size=(1, 2, 3))
 
