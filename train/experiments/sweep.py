@@ -97,7 +97,7 @@ def train_from_config(
     if compact and cli.trainer.progress_bar_callback is not None:
         _compact_metrics(cli.trainer.progress_bar_callback)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    cli.trainer.save_checkpoint(final, weights_only=False)  # the full checkpoint, as Lightning's own callbacks
+    cli.trainer.save_checkpoint(final, weights_only=False)  # the full checkpoint, said so (else Lightning logs it)
     return cli.model.eval(), cli.datamodule
 
 
