@@ -6,6 +6,7 @@
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,6 +16,7 @@ from visionpe.bias.offsets import offset_state
 from visionpe.grid import COORD_MODES, grid_coords
 from visionpe.multimodal import get_position_ids, list_multimodal_schemes
 
+from ..conftest import ROTARY, takes_option
 from ..multimodal.helpers import random_batch
 
 SCHEMES = list_multimodal_schemes()
@@ -45,12 +47,13 @@ def test_grid_coords_are_row_major_in_every_mode(grid, mode, ref):
         torch.testing.assert_close(coords.mean(0), torch.zeros(len(grid)), rtol=0, atol=1e-5)
 
 
-@SETTINGS
-@given(name=st.sampled_from(visionpe.list_schemes("rotary")), grid=st.tuples(sizes, sizes), ref=st.tuples(sizes, sizes))
+@pytest.mark.parametrize("name", ROTARY)
+@settings(max_examples=10, deadline=None)
+@given(grid=st.tuples(sizes, sizes), ref=st.tuples(sizes, sizes))
 def test_scheme_coordinates_follow_their_mode(name, grid, ref):
     """Every rotary scheme's coordinate builder is grid_coords in its documented mode (ComRoPE's train-grid
     normalisation divides the cell centres by the training grid)."""
-    kwargs = {} if name == "liere" else {"grid_size": ref}
+    kwargs = {"grid_size": ref} if takes_option(name, "grid_size") else {}
     scheme = visionpe.create_pos_embed(name, dim=32, num_heads=2, **kwargs)
     coords = scheme.coords(grid)
     if getattr(scheme, "pos_norm", None) == "train_grid":
