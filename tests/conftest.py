@@ -76,6 +76,14 @@ RECOMPILE_PER_GRID = {"irpe", "cpe", "alibi2d", "lookhere", "sincos", "fourier",
 MODEL_OPTIONS: dict[str, dict] = {}
 
 
+# every test collected in this run, before ``-k`` / ``-m`` deselect some (tests/test_custom_scheme.py reads it)
+COLLECTED: list[pytest.Item] = []
+
+
+def pytest_itemcollected(item):
+    COLLECTED.append(item)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

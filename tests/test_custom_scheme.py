@@ -74,6 +74,37 @@ def test_the_generic_scheme_lists_include_it():
     assert NAME not in conftest.LIE and NAME not in conftest.RECOMPILE_PER_GRID and NAME not in conftest.ONNX_FAILS
 
 
+# test modules parametrized over the registry: each collected in the same run must hold tests of the new scheme
+GENERIC_MODULES = [
+    "tests.reliability.test_checkpoints",
+    "tests.reliability.test_compile",
+    "tests.reliability.test_determinism",
+    "tests.reliability.test_export",
+    "tests.reliability.test_hostile_input",
+    "tests.reliability.test_numerics",
+    "tests.reliability.test_properties",
+    "tests.reliability.test_regressions",
+    "tests.models.test_patch_dropout",
+    "tests.models.test_timm_features",
+    "tests.models.test_vit",
+    "tests.test_registry",
+]
+
+
+def test_the_generic_tests_collected_in_this_run_cover_it():
+    from . import conftest
+
+    covered, collected = set(), set()
+    for item in conftest.COLLECTED:
+        module = item.module.__name__
+        collected.add(module)
+        params = getattr(item, "callspec", None)
+        if params is not None and NAME in params.params.values():
+            covered.add(module)
+    missing = [m for m in GENERIC_MODULES if m in collected and m not in covered]
+    assert not missing, f"collected without a test of {NAME}: {missing}"
+
+
 def test_builds_by_name_in_the_timm_model_and_alone():
     model = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=NAME, depth=2, num_classes=3)
     assert isinstance(model.pos_schemes[NAME], FixedRope)
