@@ -37,8 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = "docs/benchmarks/results"
 
-# an absolute path of two or more components, not part of a word or a relative path ("images/s", "fwd/bwd")
-_ABSOLUTE = re.compile(r"(?<![\w.~/-])/(?:[\w.+~-]+/)+[\w.+~-]*")
+# an absolute path, not part of a word or of a relative path ("images/s", "fwd/bwd", "bench/memory.py")
+_ABSOLUTE = re.compile(r"(?<![\w.~/-])/[\w.+~-]+(?:/[\w.+~-]+)*/?")
 
 
 def relative_path(text: str) -> str:

@@ -1,0 +1,29 @@
+"""bench/memory.py: a small run measures each model in its own process and writes the table it prints."""
+
+import csv
+import os
+
+import pytest
+
+from .scripts import load_script
+
+pytestmark = pytest.mark.skipif(
+    not os.access("/proc/self/clear_refs", os.W_OK), reason="needs Linux /proc/self/clear_refs"
+)
+
+
+def test_small_run_writes_its_table(monkeypatch, capsys, tmp_path):
+    bench = load_script("bench/memory.py")
+    args = "--schemes rope_axial --size 256 --threads 1"
+    monkeypatch.setattr("sys.argv", ["bench/memory.py", *args.split(), "--out", str(tmp_path)])
+    bench.main()
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "peak MB" not in line]
+    assert [line.split(" | ")[0] for line in printed] == ["| timm", "| rope_axial"]
+    md = (tmp_path / "memory.md").read_text()
+    assert md.startswith("Measured ") and f"`python bench/memory.py {args} --out .../" in md
+    assert "ViT-S/16 at 256x256 (256 patches)" in md
+    with open(tmp_path / "memory.csv", newline="") as f:
+        table = list(csv.reader(f))
+    assert table[0] == ["scheme", "peak MB", "ratio vs timm", "forward s", "note"]
+    assert [row[0] for row in table[1:]] == ["timm", "rope_axial"] and table[1][2] == "1.00"
+    assert [row[1] for row in table[1:]] == [line.split(" | ")[1] for line in printed]
