@@ -62,6 +62,10 @@ VIDEO = [n for n in ALL_SCHEMES if takes_option(n, "ndim")]
 # - ONNX export: schemes whose model does not export to ONNX, with the reason (torch.export works for all).
 ONNX_FAILS = {
     "irpe": "torch.onnx's decomposition of the biased attention fails on a view (torch 2.14); torch.export works",
+    # the same failure for every bias computed from parameters (alibi2d's fixed bias exports)
+    "kerple_log": "as irpe: a bias computed from parameters",
+    "kerple_power": "as irpe: a bias computed from parameters",
+    "bam": "as irpe: a bias computed from parameters",
     "string_cayley": "torch.linalg.solve_ex (the Cayley transform) has no ONNX translation; fold_string_ first",
 }
 # - torch.compile with dynamic shapes: schemes that recompile (cleanly) for every new grid instead of running all
@@ -70,7 +74,18 @@ ONNX_FAILS = {
 #   specialises on it, the per-offset bias schemes build Python index ranges over the tokens, and AOTAutograd fixes
 #   the token count of sincos and fourier tables added to tokens that require grad (their inference graph is
 #   dynamic).
-RECOMPILE_PER_GRID = {"irpe", "cpe", "alibi2d", "lookhere", "sincos", "fourier", *LIE}
+RECOMPILE_PER_GRID = {
+    "irpe",
+    "cpe",
+    "alibi2d",
+    "lookhere",
+    "kerple_log",
+    "kerple_power",
+    "bam",
+    "sincos",
+    "fourier",
+    *LIE,
+}
 # - options a scheme needs in the small models of the generic tests (none so far: every scheme builds from the
 #   model's dim, num_heads and depth alone)
 MODEL_OPTIONS: dict[str, dict] = {}

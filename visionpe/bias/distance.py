@@ -1,0 +1,119 @@
+"""Learned functions of 2D distance as attention biases: the shared machinery of KERPLE and BAM.
+
+The 1D papers bias a (query, key) pair by a learned kernel of |m - n|. On an image grid the distance between
+patches p_i and p_j is one of (``distance=``):
+
+- ``"euclidean"`` (default): ||p_i - p_j||_2, isotropic, as 2D ALiBi and LookHere measure it;
+- ``"manhattan"``: |dy| + |dx|;
+- ``"axis"``: the kernel applied to |dy| and to |dx| with separate parameters per axis, and the two summed.
+
+Every distance depends on the offset p_i - p_j only, so the per-forward state keeps one value per grid offset
+(:class:`~visionpe.bias.offsets.OffsetState`) and each block gathers the rows it needs; nothing of size (N, N) is
+kept, and a larger grid recomputes its distances (nothing is resampled). Pairs involving a prefix token (cls,
+registers) get the kernel's value at distance 0: zero for KERPLE and ALiBi, and a per-head constant for BAM, which
+the softmax cancels.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from ..base import BiasPositionEncoding, check_layer, check_model_shape
+from ..checks import check_choice
+from .offsets import OffsetState, gather_offsets, offset_state, query_rows
+
+__all__ = ["DISTANCES", "AxisDistanceState", "DistanceKernelBias", "axis_distances"]
+
+DISTANCES = ("euclidean", "manhattan", "axis")
+
+
+@dataclass
+class AxisDistanceState(OffsetState):
+    """:class:`~visionpe.bias.offsets.OffsetState` with ``table``: fp32 (A, K + 1) distances per grid offset, one
+    row per distance group (A = 2 for ``"axis"``: |dy| and |dx|; else 1), 0 in the prefix entry K."""
+
+    table: torch.Tensor | None = None
+
+
+def axis_distances(state: OffsetState, distance: str) -> torch.Tensor:
+    """fp32 (A, K + 1) distances of every grid offset of ``state`` (see the module docstring), prefix entry 0.
+
+    Example:
+        >>> from visionpe.bias.offsets import offset_state
+        >>> axis_distances(offset_state((1, 2), 0, None, 0), "manhattan")
+        tensor([[1., 0., 1., 0.]])
+    """
+    check_choice(distance, "distance", DISTANCES)
+    dy, dx = (d.abs().flatten() for d in state.offsets())
+    if distance == "euclidean":
+        # sqrt of the exact integer sum of squares, as 2D ALiBi's distances
+        rows = dy.square().add(dx.square()).sqrt()[None]
+    elif distance == "manhattan":
+        rows = (dy + dx)[None]
+    else:
+        rows = torch.stack((dy, dx))
+    return torch.cat((rows, rows.new_zeros(len(rows), 1)), 1)
+
+
+class DistanceKernelBias(BiasPositionEncoding):
+    """Base class of biases b_h(i, j) = sum_a f_{l, a, h}(d_a(i, j)), a learned kernel of the distance.
+
+    Subclasses implement :meth:`kernel`. Parameters live in one tensor per kernel parameter of shape
+    (depth, A, num_heads) (A = 2 for ``distance="axis"``, else 1): one kernel per block, as the 1D papers give
+    each layer its own.
+    """
+
+    ndims = (2,)
+    #: grids up to this many tokens cache their full (N, N) offset index per forward (4 MB at 1024 tokens)
+    full_state_max_tokens: int = 1024
+
+    def __init__(self, dim: int, num_heads: int, depth: int = 1, distance: str = "euclidean") -> None:
+        super().__init__()
+        check_model_shape(dim, num_heads, depth)
+        self.distance = check_choice(distance, "distance", DISTANCES)
+        self.num_heads, self.depth = num_heads, depth
+        self.num_axes = 2 if distance == "axis" else 1
+
+    @abstractmethod
+    def kernel(self, distances: torch.Tensor, layer: int) -> torch.Tensor:
+        """(A, h, K + 1) bias values of block ``layer`` at ``distances`` (A, 1, K + 1), in their dtype."""
+
+    def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> AxisDistanceState:
+        """Distances per grid offset for the current grid (and the full offset index when the grid is small)."""
+        base = offset_state(self.check_grid(grid_size), num_prefix_tokens, device, self.full_state_max_tokens)
+        table = axis_distances(base, self.distance)
+        return AxisDistanceState(base.grid_size, base.num_prefix_tokens, base.device, base.index, table)
+
+    def offset_table(self, state: AxisDistanceState, layer: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(h, K + 1) bias of block ``layer`` per grid offset (the prefix entry last), computed in fp32 (fp64 for
+        fp64 ``dtype``) and rounded once to ``dtype``."""
+        compute = torch.promote_types(dtype, torch.float32)
+        with torch.autocast(state.table.device.type, enabled=False):
+            values = self.kernel(state.table.to(compute)[:, None], layer).sum(0)
+        return values.to(dtype)
+
+    def attn_bias(
+        self, q: torch.Tensor, k: torch.Tensor, state: AxisDistanceState, layer: int, rows: slice | None = None
+    ) -> torch.Tensor:
+        """The kernel's bias, ``(1, h, R, P + N)`` in the dtype of q; R = P + N or the query ``rows``."""
+        n = state.num_tokens
+        num_rows = len(query_rows(rows, n))
+        if q.shape[-2] != num_rows or k.shape[-2] != n or q.shape[1] != self.num_heads:
+            raise ValueError(
+                f"q and k must have shape (B, {self.num_heads}, {num_rows}, head_dim) and "
+                f"(B, {self.num_heads}, {n}, head_dim) for this grid, got q {tuple(q.shape)}, k {tuple(k.shape)}"
+            )
+        table = self.offset_table(state, layer, q.dtype)
+        return gather_offsets(table, state.offset_index(query_rows(rows, n), range(n)))[None]
+
+    def layer_parameter(self, param: torch.Tensor, layer: int, dtype: torch.dtype) -> torch.Tensor:
+        """(A, h, 1) slice of a (depth, A, h) parameter for block ``layer``, in ``dtype``."""
+        check_layer(layer, self.depth, type(self).__name__)
+        return param[layer][..., None].to(dtype)
+
+    def no_weight_decay(self) -> set[str]:
+        """Every kernel parameter: they set how fast attention decays with distance, as ALiBi's fixed slopes do."""
+        return {name for name, _ in self.named_parameters(recurse=False)}
