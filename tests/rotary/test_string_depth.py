@@ -1,4 +1,5 @@
-"""STRING on RGB-D images (SCHEMES.md A8): r = (z, y, x), z a learned linear function of each patch's mean depth."""
+"""STRING on RGB-D images (Schenck et al., ICML 2025): r = (z, y, x), z a learned linear function of each patch's
+mean depth."""
 
 import pytest
 import timm
