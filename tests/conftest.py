@@ -40,6 +40,11 @@ def takes_option(name: str, option: str) -> bool:
     return option in inspect.signature(scheme_class(name).__init__).parameters
 
 
+def learns_parameters(name: str) -> bool:
+    """Whether the scheme, built small, has a parameter that trains."""
+    return any(p.requires_grad for p in visionpe.create_pos_embed(name, dim=32, num_heads=2, depth=1).parameters())
+
+
 def supported_extrapolation(name: str) -> tuple[str, ...]:
     """The extrapolation modes the scheme implements (``supported_extrapolation``, read from a small instance: LieRE's
     depends on its block size), ``("none",)`` for schemes without the extrapolation settings."""
@@ -61,31 +66,22 @@ VIDEO = [n for n in ALL_SCHEMES if takes_option(n, "ndim")]
 # Not declared by the classes:
 # - ONNX export: schemes whose model does not export to ONNX, with the reason (torch.export works for all).
 ONNX_FAILS = {
-    "irpe": "torch.onnx's decomposition of the biased attention fails on a view (torch 2.14); torch.export works",
-    # the same failure for every bias computed from parameters (alibi2d's fixed bias exports)
-    "kerple_log": "as irpe: a bias computed from parameters",
-    "kerple_power": "as irpe: a bias computed from parameters",
-    "bam": "as irpe: a bias computed from parameters",
+    # torch.onnx's decomposition of the biased attention fails on a view (torch 2.14) when the bias is computed from
+    # parameters (irpe, kerple_*, bam); alibi2d's and lookhere's fixed biases export. Strict xfails: a fix shows.
+    **{
+        name: "torch.onnx fails to decompose the attention with a bias computed from parameters; torch.export works"
+        for name in BIAS
+        if learns_parameters(name)
+    },
     "string_cayley": "torch.linalg.solve_ex (the Cayley transform) has no ONNX translation; fold_string_ first",
 }
 # - torch.compile with dynamic shapes: schemes that recompile (cleanly) for every new grid instead of running all
 #   grids on one graph. LieRE and ComRoPE read their squaring count (set by the largest coordinate and the
 #   generators) outside the graph; iRPE caches its per-grid state in a dict keyed by the grid, CPE's convolution
-#   specialises on it, the per-offset bias schemes build Python index ranges over the tokens, and AOTAutograd fixes
-#   the token count of sincos and fourier tables added to tokens that require grad (their inference graph is
-#   dynamic).
-RECOMPILE_PER_GRID = {
-    "irpe",
-    "cpe",
-    "alibi2d",
-    "lookhere",
-    "kerple_log",
-    "kerple_power",
-    "bam",
-    "sincos",
-    "fourier",
-    *LIE,
-}
+#   specialises on it, every bias scheme builds Python index ranges over the tokens of its per-offset tables, and
+#   AOTAutograd fixes the token count of sincos and fourier tables added to tokens that require grad (their
+#   inference graph is dynamic).
+RECOMPILE_PER_GRID = {"cpe", "sincos", "fourier", *BIAS, *LIE}
 # - options a scheme needs in the small models of the generic tests (none so far: every scheme builds from the
 #   model's dim, num_heads and depth alone)
 MODEL_OPTIONS: dict[str, dict] = {}
