@@ -33,7 +33,7 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 from .base import BiasPositionEncoding
-from .rotary.state import ChainedRotation, IdentityRotation, LayerRotation, RotaryState
+from .rotary.state import ChainedRotation, IdentityRotation, LayerRotation, RotaryState, split_heads
 from .tokens import gather_pairs, gather_tokens, scatter_pairs, scatter_tokens
 
 __all__ = ["PositionContext", "PosAttention", "PosBlock"]
@@ -98,7 +98,7 @@ class PosAttention(Attention):
             qkv = self.project_qkv(x.reshape(B * N, -1), basis)
             q, k, v = rotation.rotate_qkv(qkv, B, self.num_heads, pos.keep)
         else:  # q/k normalised after the projection: the rotation (P included) acts on the normalised q and k
-            q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+            q, k, v = split_heads(self.qkv(x), B, self.num_heads).unbind(0)
             q, k = rotation.rotate_tokens(torch.stack((self.q_norm(q), self.k_norm(k))), pos.keep).unbind(0)
         x = self._attend_chunked(q, k, v, pos, attn_mask, is_causal)
         x = x.transpose(1, 2).reshape(B, N, self.attn_dim)

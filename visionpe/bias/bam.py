@@ -47,12 +47,11 @@ class BAM(DistanceKernelBias):
     ) -> None:
         super().__init__(dim, num_heads, depth, distance)
         check_positive(shape_init, "shape_init")
-        size = (depth, self.num_axes, num_heads)
-        self.beta = nn.Parameter(torch.full(size, float(shape_init)))
+        self.beta = nn.Parameter(self.kernel_parameter(float(shape_init)))
         # s_h and mu_h are parameters when learned, else fixed buffers (in the state dict under the same names)
         for name, value, learn in (
-            ("scale", alibi_slopes(num_heads).expand(size).clone(), check_bool(learn_scale, "learn_scale")),
-            ("loc", torch.zeros(size), check_bool(learn_loc, "learn_loc")),
+            ("scale", self.kernel_parameter(alibi_slopes(num_heads)), check_bool(learn_scale, "learn_scale")),
+            ("loc", self.kernel_parameter(0.0), check_bool(learn_loc, "learn_loc")),
         ):
             if learn:
                 setattr(self, name, nn.Parameter(value))

@@ -109,6 +109,13 @@ class DistanceKernelBias(BiasPositionEncoding):
         table = self.offset_table(state, layer, q.dtype)
         return gather_offsets(table, state.offset_index(query_rows(rows, n), range(n)))[None]
 
+    def kernel_parameter(self, init: torch.Tensor | float = 0.0, *, uniform: float | None = None) -> torch.Tensor:
+        """A (depth, A, num_heads) kernel parameter: ``init`` everywhere, or U(0, ``uniform``) draws."""
+        shape = (self.depth, self.num_axes, self.num_heads)
+        return (
+            torch.rand(shape) * uniform if uniform is not None else torch.as_tensor(init).float().expand(shape).clone()
+        )
+
     def layer_parameter(self, param: torch.Tensor, layer: int, dtype: torch.dtype) -> torch.Tensor:
         """(A, h, 1) slice of a (depth, A, h) parameter for block ``layer``, in ``dtype``."""
         check_layer(layer, self.depth, type(self).__name__)

@@ -39,9 +39,8 @@ class KerpleLog(DistanceKernelBias):
 
     def __init__(self, dim: int, num_heads: int, depth: int = 1, distance: str = "euclidean") -> None:
         super().__init__(dim, num_heads, depth, distance)
-        shape = (depth, self.num_axes, num_heads)
-        self.scale = nn.Parameter(torch.rand(shape) * 2)  # r1 (the reference's bias_p)
-        self.rate = nn.Parameter(torch.rand(shape))  # r2 (the reference's bias_a)
+        self.scale = nn.Parameter(self.kernel_parameter(uniform=2.0))  # r1 (the reference's bias_p)
+        self.rate = nn.Parameter(self.kernel_parameter(uniform=1.0))  # r2 (the reference's bias_a)
 
     def kernel(self, distances: torch.Tensor, layer: int) -> torch.Tensor:
         r1 = self.layer_parameter(self.scale, layer, distances.dtype).clamp(min=_MIN)
@@ -60,9 +59,8 @@ class KerplePower(DistanceKernelBias):
 
     def __init__(self, dim: int, num_heads: int, depth: int = 1, distance: str = "euclidean") -> None:
         super().__init__(dim, num_heads, depth, distance)
-        shape = (depth, self.num_axes, num_heads)
-        self.scale = nn.Parameter(torch.rand(shape))  # r1 (the reference's bias_a)
-        self.power = nn.Parameter(torch.rand(shape) * 2)  # r2 (the reference's bias_p)
+        self.scale = nn.Parameter(self.kernel_parameter(uniform=1.0))  # r1 (the reference's bias_a)
+        self.power = nn.Parameter(self.kernel_parameter(uniform=2.0))  # r2 (the reference's bias_p)
 
     def kernel(self, distances: torch.Tensor, layer: int) -> torch.Tensor:
         r1 = self.layer_parameter(self.scale, layer, distances.dtype).clamp(min=_MIN)

@@ -29,6 +29,11 @@ from ..tokens import gather_tokens, scatter_tokens
 __all__ = ["RotaryState", "LayerRotation", "IdentityRotation", "ChainedRotation"]
 
 
+def split_heads(qkv: torch.Tensor, batch: int, num_heads: int) -> torch.Tensor:
+    """(3, B, num_heads, T, head_dim) view of a fused projection output (B * T, 3 * num_heads * head_dim)."""
+    return qkv.reshape(batch, -1, 3, num_heads, qkv.shape[-1] // (3 * num_heads)).permute(2, 0, 3, 1, 4)
+
+
 class LayerRotation(ABC):
     """The rotation of q and k in one block for one forward (see the module docstring).
 
@@ -69,7 +74,7 @@ class LayerRotation(ABC):
         * head_dim), q and k rotated (:meth:`rotate_tokens`; ``keep`` when ``qkv`` holds patch dropout's kept
         tokens). Schemes that can rotate inside ``qkv`` override this, so that q, k and v stay views of one buffer.
         """
-        qkv = qkv.reshape(batch, -1, 3, num_heads, qkv.shape[-1] // (3 * num_heads)).permute(2, 0, 3, 1, 4)
+        qkv = split_heads(qkv, batch, num_heads)
         # split (not slice or unbind): its backward is one cat, without zero-filled gradient buffers
         qk, v = qkv.split([2, 1])
         q, k = self.rotate_tokens(qk, keep).unbind(0)
@@ -92,7 +97,7 @@ class IdentityRotation(LayerRotation):
     def rotate_qkv(
         self, qkv: torch.Tensor, batch: int, num_heads: int, keep: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = qkv.reshape(batch, -1, 3, num_heads, qkv.shape[-1] // (3 * num_heads)).permute(2, 0, 3, 1, 4)
+        q, k, v = split_heads(qkv, batch, num_heads)
         return q, k, v
 
 
