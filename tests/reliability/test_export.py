@@ -46,9 +46,9 @@ def test_exported_program_saves_and_loads():
 def _onnx_logits(model, images_list):
     ort = pytest.importorskip("onnxruntime")
     program = torch.onnx.export(model, (images_list[0],), dynamo=True, dynamic_shapes=_batch_dim(), verbose=False)
-    session = ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
-    return [torch.from_numpy(session.run(None, {name: images.numpy()})[0]) for images in images_list]
+    runner = ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    name = runner.get_inputs()[0].name
+    return [torch.from_numpy(runner.run(None, {name: images.numpy()})[0]) for images in images_list]
 
 
 @pytest.mark.parametrize(
