@@ -55,6 +55,10 @@ class PositionContext:
     def needs_probs(self) -> bool:
         return any(scheme.needs_probs for scheme, _ in self.bias)
 
+    @property
+    def augments_qk(self) -> bool:
+        return any(scheme.augments_qk for scheme, _ in self.bias)
+
     def rotation(self, layer: int) -> LayerRotation:
         """The rotation of q and k in block ``layer``: every rotary scheme's, in order (the identity without one)."""
         if not self.rotary:
@@ -100,7 +104,12 @@ class PosAttention(Attention):
         else:  # q/k normalised after the projection: the rotation (P included) acts on the normalised q and k
             q, k, v = split_heads(self.qkv(x), B, self.num_heads).unbind(0)
             q, k = rotation.rotate_tokens(torch.stack((self.q_norm(q), self.k_norm(k))), pos.keep).unbind(0)
-        x = self._attend_chunked(q, k, v, pos, attn_mask, is_causal)
+        v = rotation.rotate_values(v, pos.keep)
+        tokens = x if any(scheme.needs_tokens for scheme, _ in pos.bias) else None
+        if pos.augments_qk:
+            q, k = self._augment_qk(q, k, tokens, pos)
+        x = self._attend_chunked(q, k, v, pos, attn_mask, is_causal, tokens)
+        x = rotation.unrotate_output(x, pos.keep)
         x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
         x = self.norm(x)
         if gate is not None:
@@ -115,6 +124,7 @@ class PosAttention(Attention):
         pos: PositionContext,
         attn_mask: torch.Tensor | None,
         is_causal: bool,
+        tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`_attend` of all queries, in chunks of query rows where a dense bias would be large and autograd
         does not record the attention (see the module docstring)."""
@@ -125,7 +135,7 @@ class PosAttention(Attention):
         recorded = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
         chunk = self.query_chunk_rows(B, N) if pos.bias and not is_causal and pos.keep is None and not recorded else N
         if chunk >= N:
-            return self._attend(q, k, v, pos, attn_mask, is_causal, None)
+            return self._attend(q, k, v, pos, attn_mask, is_causal, None, tokens)
         # a mask with one row per query is cut like the bias; a broadcast row is shared by every chunk
         per_row = attn_mask is not None and attn_mask.ndim >= 2 and attn_mask.shape[-2] == N
         return torch.cat(
@@ -138,11 +148,35 @@ class PosAttention(Attention):
                     attn_mask[..., start : start + chunk, :] if per_row else attn_mask,
                     False,
                     slice(start, start + chunk),
+                    tokens,
                 )
                 for start in range(0, N, chunk)
             ],
             dim=2,
         )
+
+    def _augment_qk(
+        self, q: torch.Tensor, k: torch.Tensor, tokens: torch.Tensor | None, pos: PositionContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k with the channels of every scheme that writes its bias into them (``augments_qk``); under patch
+        dropout, computed on the full sequence (dropped rows zero) and gathered back, like the biases."""
+        for scheme, state in pos.bias:
+            if not scheme.augments_qk:
+                continue
+            seen = tokens if scheme.needs_tokens else None
+            if pos.keep is None:
+                q, k = scheme.augment_qk(q, k, state, self.layer, tokens=seen)
+                continue
+            full_tokens = None if seen is None else scatter_tokens(seen[:, None], pos.keep, pos.num_tokens)[:, 0]
+            q, k = scheme.augment_qk(
+                scatter_tokens(q, pos.keep, pos.num_tokens),
+                scatter_tokens(k, pos.keep, pos.num_tokens),
+                state,
+                self.layer,
+                tokens=full_tokens,
+            )
+            q, k = gather_tokens(q, pos.keep), gather_tokens(k, pos.keep)
+        return q, k
 
     def project_qkv(self, x: torch.Tensor, basis: torch.Tensor | None = None) -> torch.Tensor:
         """``self.qkv(x)``, with q and k of every head multiplied by ``basis`` when given
@@ -157,8 +191,8 @@ class PosAttention(Attention):
 
     def fold_qk_basis(self, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) of the qkv projection with the q and k rows of every head multiplied by ``basis``
-        (num_heads | 1, head_dim, head_dim): P W_q, P W_k and P b, in the weights' dtype without autocast; the v
-        rows unchanged. Differentiable in P and the weights; :func:`~visionpe.fold_string_` writes it back."""
+        (num_heads | 1, head_dim, head_dim), or (2, num_heads | 1, head_dim, head_dim) with one P for q and one for k:
+        P W_q, P W_k and P b, in the weights' dtype without autocast; the v rows unchanged. Differentiable in P and the weights; :func:`~visionpe.fold_string_` writes it back."""
         weight, bias, qk_rows = self.qkv.weight, self.qkv.bias, 2 * self.num_heads * self.head_dim
         with torch.autocast(weight.device.type, enabled=False):
             basis = basis.to(weight.dtype)
@@ -182,6 +216,7 @@ class PosAttention(Attention):
         attn_mask: torch.Tensor | None,
         is_causal: bool,
         rows: slice | None,
+        tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of the queries ``q`` (all of them, or the query ``rows``) over every key: (B, h, R, head_dim).
 
@@ -191,20 +226,31 @@ class PosAttention(Attention):
         bias = attn_mask
         if bias is not None and bias.dtype == torch.bool:
             bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill_(~bias, float("-inf"))
-        if pos.keep is not None and pos.bias:  # patch dropout: the full grid's bias, kept rows and columns
+        biases = [(scheme, state) for scheme, state in pos.bias if not scheme.augments_qk]
+        if pos.keep is not None and biases:  # patch dropout: the full grid's bias, kept rows and columns
             q_full, k_full = scatter_tokens(q, pos.keep, pos.num_tokens), scatter_tokens(k, pos.keep, pos.num_tokens)
-        for scheme, state in pos.bias:
+            if tokens is not None:
+                tokens = scatter_tokens(tokens[:, None], pos.keep, pos.num_tokens)[:, 0]
+        for scheme, state in biases:
+            extra = {"tokens": tokens} if scheme.needs_tokens else {}
             if pos.keep is None:
-                term = scheme.attn_bias(q, k, state, self.layer, rows=rows)
+                term = scheme.attn_bias(q, k, state, self.layer, rows=rows, **extra)
             else:
-                term = gather_pairs(scheme.attn_bias(q_full, k_full, state, self.layer), pos.keep)
+                term = gather_pairs(scheme.attn_bias(q_full, k_full, state, self.layer, **extra), pos.keep)
             bias = term if bias is None else bias + term
         if bias is not None:
             bias = bias.to(q.dtype)
 
         if self.fused_attn and not pos.needs_probs:
             return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=bias, dropout_p=self.attn_drop.p if self.training else 0.0, is_causal=is_causal
+                q,
+                k,
+                v,
+                attn_mask=bias,
+                dropout_p=self.attn_drop.p if self.training else 0.0,
+                is_causal=is_causal,
+                # q and k with appended channels keep the scale of the original heads
+                scale=self.scale if q.shape[-1] != v.shape[-1] else None,
             )
         attn = (q * self.scale) @ k.transpose(-2, -1)
         if bias is not None:

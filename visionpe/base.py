@@ -271,6 +271,12 @@ class BiasPositionEncoding(PositionEncoding, ABC):
 
     kind = "bias"
     needs_probs: bool = False
+    #: ``attn_bias`` and ``augment_qk`` also receive ``tokens``, the block's normalised input (B, P + N, C), for
+    #: biases computed from the tokens themselves (context-aware slopes or curvatures)
+    needs_tokens: bool = False
+    #: the bias is written as extra channels appended to q and k (:meth:`augment_qk`): q~ . k~ = q . k + bias, so
+    #: attention never builds an N x N bias; ``attn_bias`` is then not called
+    augments_qk: bool = False
 
     @abstractmethod
     def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> Any:
@@ -283,8 +289,17 @@ class BiasPositionEncoding(PositionEncoding, ABC):
         """Additive logits, broadcastable to (B, num_heads, R, N_total).
 
         ``q`` (B, num_heads, R, head_dim) holds the query ``rows`` (all N_total rows for None, R = N_total); ``k``
-        is always every key.
+        is always every key. Schemes with ``needs_tokens`` also get ``tokens=`` (B, N_total, C), every token (the
+        scheme cuts the query ``rows`` from it).
         """
+
+    def augment_qk(
+        self, q: torch.Tensor, k: torch.Tensor, state: Any, layer: int, tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For schemes with ``augments_qk``: q and k (B, num_heads, P + N, head_dim) with channels appended, q~ and k~
+        (B, num_heads, P + N, head_dim + E), such that q~_i . k~_j = q_i . k_j + sqrt(head_dim) * bias_ij (attention
+        keeps the scale 1 / sqrt(head_dim) of the original heads). ``tokens``: see ``needs_tokens``."""
+        raise RuntimeError(f"{type(self).__name__} sets augments_qk=False and appends no channels to q and k")
 
     def value_term(self, attn: torch.Tensor, state: Any, layer: int, rows: slice | None = None) -> torch.Tensor:
         """Extra attention output (B, num_heads, R, head_dim) from the probabilities ``attn`` (B, num_heads, R, N)

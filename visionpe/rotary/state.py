@@ -11,7 +11,10 @@ fixed set of operations:
   cut q and k from it and :meth:`~LayerRotation.rotate` them; schemes that can rotate in place override it);
 - :attr:`LayerRotation.basis`: a matrix P applied to every token's q and k before the rest of the rotation, which
   attention may fold into the projection weights (then it calls the operations of
-  :meth:`LayerRotation.without_basis`).
+  :meth:`LayerRotation.without_basis`); one P for both, or one for q and one for k;
+- :meth:`LayerRotation.rotate_values` and :meth:`LayerRotation.unrotate_output`: a rotation of the values by the
+  keys' positions and of attention's output back by the queries' positions (rotary value embeddings); the identity
+  by default.
 
 Every operation has a working default, so a new scheme implements :meth:`LayerRotation.rotate` and, in its state,
 :meth:`RotaryState.layer`; the rest is optimisation.
@@ -45,7 +48,8 @@ class LayerRotation(ABC):
 
     @property
     def basis(self) -> torch.Tensor | None:
-        """(num_heads | 1, head_dim, head_dim) matrix P that :meth:`rotate` applies to every token first, or None."""
+        """(num_heads | 1, head_dim, head_dim) matrix P that :meth:`rotate` applies to every token's q and k first,
+        or (2, num_heads | 1, head_dim, head_dim): one for q, one for k; None when there is none."""
         return None
 
     def without_basis(self) -> LayerRotation:
@@ -62,6 +66,16 @@ class LayerRotation(ABC):
         ``keep`` (B, K) (int64 indices into the ``num_tokens`` tokens). Default: rotated on the full sequence
         (dropped rows zero) and gathered back."""
         return gather_tokens(self.rotate(scatter_tokens(qk, keep, self.num_tokens)), keep)
+
+    def rotate_values(self, v: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The values v (B, num_heads, T | K, head_dim) as attention averages them: unchanged by default. A scheme
+        that rotates values by their keys' positions returns R(p_j) v_j (``keep``: patch dropout's kept tokens)."""
+        return v
+
+    def unrotate_output(self, o: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention's output o (B, num_heads, T | K, head_dim) before the heads merge: unchanged by default; with
+        rotated values, R(p_i)^T o_i by each query's position."""
+        return o
 
     def rotate_tokens(self, qk: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`rotate`, or :meth:`rotate_kept` when patch dropout kept ``keep``."""
@@ -126,6 +140,16 @@ class ChainedRotation(LayerRotation):
         for rotation in self.rotations:
             qk = rotation.rotate_kept(qk, keep)
         return qk
+
+    def rotate_values(self, v: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        for rotation in self.rotations:
+            v = rotation.rotate_values(v, keep)
+        return v
+
+    def unrotate_output(self, o: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        for rotation in reversed(self.rotations):
+            o = rotation.unrotate_output(o, keep)
+        return o
 
 
 class RotaryState(ABC):
