@@ -63,6 +63,25 @@ EXTRAPOLATION_OPTIONS = {n: {"pos_norm": "train_grid"} for n in EXTRAPOLATING if
 # schemes that take 3D (t, y, x) grids through ``ndim=3``
 VIDEO = [n for n in ALL_SCHEMES if takes_option(n, "ndim")]
 
+
+def _family(name: str) -> str:
+    """The implementation a scheme shares with others: its nearest visionpe base class below the kind's base class
+    (``LinearRotary``, ``StringBase``, ``DistanceKernelBias``, ...), or the scheme itself when it derives from the
+    kind's base class directly (its code is its own)."""
+    kind_bases = {visionpe.PositionEncoding, visionpe.AbsolutePositionEncoding, visionpe.RotaryPositionEncoding}
+    kind_bases.add(visionpe.BiasPositionEncoding)
+    for base in scheme_class(name).__mro__[1:]:
+        if base in kind_bases:
+            return name
+        if base.__module__.startswith("visionpe.") and issubclass(base, visionpe.PositionEncoding):
+            return f"{base.__module__}.{base.__qualname__}"
+    return name
+
+
+# one scheme per implementation family (the first by name): for the slowest whole-pipeline checks (ONNX export
+# through onnxruntime, about 10 s a scheme), which exercise the code a family shares, not a scheme's own numbers
+FAMILY_REPRESENTATIVES = sorted({_family(n): n for n in reversed(ALL_SCHEMES)}.values())
+
 # Not declared by the classes:
 # - ONNX export: schemes whose model does not export to ONNX, with the reason (torch.export works for all).
 ONNX_FAILS = {

@@ -25,8 +25,10 @@ def test_forward_backward_at_several_sizes(pos_embed):
             assert p.grad is not None and p.grad.abs().sum() > 0, f"{pos_embed}: no gradient for {name}"
 
 
-@pytest.mark.parametrize("name", ["visionpe_vit_tiny_patch16_224", "visionpe_vit_small_patch16_224"])
-@pytest.mark.parametrize("pos_embed", ALL_SCHEMES)
+@pytest.mark.parametrize(
+    "name, pos_embed",
+    [("visionpe_vit_tiny_patch16_224", n) for n in ALL_SCHEMES] + [("visionpe_vit_small_patch16_224", "rope_axial")],
+)
 def test_timm_factory_every_scheme(name, pos_embed):
     model = timm.create_model(name, pos_embed=pos_embed, num_classes=3, depth=1)
     assert isinstance(model, visionpe.VisionPEViT)
