@@ -7,6 +7,7 @@ from . import absolute, bias, grid, rotary  # noqa: F401  (importing them regist
 from .attention import PosAttention, PosBlock, PositionContext
 from .base import AbsolutePositionEncoding, BiasPositionEncoding, PositionEncoding, RotaryPositionEncoding
 from .bias.irpe import irpe_piecewise_index
+from .grid import CoordAugment, set_coord_augment
 from .integrations import timm as _timm_models  # noqa: F401  (registers the timm models)
 from .models.convert import LoadReport, convert_timm_state_dict, load_timm_state_dict
 from .models.vit import VisionPEViT
@@ -37,6 +38,8 @@ __all__ = [
     "convert_timm_state_dict",
     "load_timm_state_dict",
     "set_extrapolation",
+    "CoordAugment",
+    "set_coord_augment",
     "fold_string_",
     "irpe_piecewise_index",
 ]

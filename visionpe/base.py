@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .checks import check_int, is_int
-from .grid import grid_coords, validate_count, validate_grid_size
+from .grid import CoordAugment, grid_coords, validate_count, validate_grid_size
 
 if TYPE_CHECKING:
     from .rotary.state import RotaryState
@@ -110,6 +110,41 @@ class PositionEncoding(nn.Module):
     insert_after: tuple[int, ...] = ()
     #: the scheme adds nothing to prefix tokens (timm's ``no_embed_class``; the learned table sets it)
     no_embed_class: bool = False
+    #: the scheme reads its positions from coordinates (:meth:`forward_coords`), so a training-time
+    #: :class:`~visionpe.grid.CoordAugment` applies; schemes that read integer offsets or tables leave it False
+    consumes_coords: ClassVar[bool] = False
+    _coord_augment: CoordAugment | None = None
+
+    @property
+    def coord_augment(self) -> CoordAugment | None:
+        """The training-time coordinate augmentation (:class:`~visionpe.grid.CoordAugment`) that
+        :meth:`forward_coords` draws from in training mode, or None. Setting it to a scheme that reads no coordinates
+        (``consumes_coords`` False) raises ValueError; a dict of the fields is converted."""
+        return self._coord_augment
+
+    @coord_augment.setter
+    def coord_augment(self, value: CoordAugment | dict | None) -> None:
+        value = CoordAugment.from_value(value)
+        if value is not None and not self.consumes_coords:
+            raise ValueError(
+                f"coord_augment applies to schemes that read coordinates; {type(self).__name__} reads integer offsets "
+                f"or tables, so it would not change anything; got coord_augment={value!r}"
+            )
+        self._coord_augment = value
+
+    def forward_coords(self, grid_size: tuple[int, ...], device=None, coords_fn=None) -> torch.Tensor:
+        """The coordinates a forward uses: ``coords_fn(grid_size)`` (default :meth:`coords` on ``device``), or in
+        training mode with :attr:`coord_augment` set, one draw of it (:meth:`~visionpe.grid.CoordAugment.apply`).
+        In eval mode this is ``coords_fn(grid_size)`` itself, so evaluation is that of a scheme without
+        augmentation, bit for bit."""
+        if coords_fn is None:
+
+            def coords_fn(grid: tuple[int, ...]) -> torch.Tensor:
+                return self.coords(grid, device)
+
+        if not self.training or self._coord_augment is None:
+            return coords_fn(grid_size)
+        return self._coord_augment.apply(coords_fn, self.check_grid(grid_size))
 
     @property
     def extra_inputs(self) -> tuple[str, ...]:
@@ -198,6 +233,7 @@ class RotaryPositionEncoding(PositionEncoding, ABC):
     block asks it for its rotation."""
 
     kind = "rotary"
+    consumes_coords = True
 
     @abstractmethod
     def prepare(
@@ -216,9 +252,10 @@ class RotaryPositionEncoding(PositionEncoding, ABC):
         return state.layer(layer).rotate(qk)
 
     def model_coords(self, grid_size: tuple[int, ...], device=None, **inputs: torch.Tensor) -> torch.Tensor:
-        """The positions the model prepares this scheme with for ``grid_size``: :meth:`coords` by default. A scheme
-        that declares :attr:`extra_inputs` receives them here by name (e.g. STRING's ``patch_depth``)."""
-        return self.coords(grid_size, device)
+        """The positions the model prepares this scheme with for ``grid_size``: :meth:`forward_coords` by default
+        (:meth:`coords`, drawn through :attr:`coord_augment` in training). A scheme that declares
+        :attr:`extra_inputs` receives them here by name (e.g. STRING's ``patch_depth``)."""
+        return self.forward_coords(grid_size, device)
 
     def rotate(
         self, x: torch.Tensor, coords: torch.Tensor, layer: int = 0, grid_size: tuple[int, ...] | None = None

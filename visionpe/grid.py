@@ -10,20 +10,65 @@ Coordinate modes (``coord_mode`` of every scheme):
 - ``centered``: i - (n - 1) / 2;
 - ``normalized``: (i + 0.5) / n, in (0, 1);
 - ``ref_scaled``: i * n_ref / n, position interpolation to a reference grid.
+
+:func:`grid_coords` also builds ``normalized_pm1``, 2 (i + 0.5) / n - 1 in (-1, 1), the convention of DINOv3
+(``rope_dinov3``); it is not among the modes every scheme takes (:data:`COORD_MODES`).
+
+Training-time coordinate augmentation (:class:`CoordAugment`, set on a model with :func:`set_coord_augment`)
+draws the coordinates of a training forward instead of reading them off the grid:
+
+- ``randomized``: Ruoss et al., "Randomized Positional Encodings Boost Length Generalization of Transformers",
+  ACL 2023. Per axis, a sorted sample without replacement of the n_a positions from {0..L_a - 1}
+  (:func:`randomized_positions`); the product of the axes keeps rows, columns and their order.
+- ``pose``: Zhu et al., "PoSE: Efficient Context Window Extension of LLMs via Positional Skip-wise Training",
+  ICLR 2024. Per axis, one cut c_a in [1, n_a - 1]; positions c_a.. are shifted by u_a in {0..L_a - n_a}
+  (:func:`skip_positions`), four skipped quadrants in 2D.
+- ``dinov3``: Siméoni et al., "DINOv3", arXiv 2508.10104, 2025. The coordinates are shifted by U(-s, s) per axis,
+  scaled by exp(U(-ln J, ln J)) per axis, then by exp(U(-ln S, ln S)) shared by the axes, in that order
+  (:func:`shift_jitter_rescale`).
+
+The 2D forms (one cut or one sample per axis) are the library's reading of the 1D papers. Evaluation never draws:
+a model in eval mode reads exactly :func:`grid_coords`.
 """
 
 from __future__ import annotations
 
+import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .checks import check_choice, check_int, check_positive
+from .checks import check_choice, check_float, check_instance, check_int, check_positive, describe
 
-__all__ = ["COORD_MODES", "grid_coords", "prefix_mask", "validate_count", "validate_grid_size", "validate_positive"]
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = [
+    "COORD_MODES",
+    "GRID_COORD_MODES",
+    "COORD_AUGMENT_KINDS",
+    "CoordAugment",
+    "grid_coords",
+    "grid_rows",
+    "prefix_mask",
+    "randomized_coords",
+    "randomized_positions",
+    "set_coord_augment",
+    "shift_jitter_rescale",
+    "skip_coords",
+    "skip_positions",
+    "validate_count",
+    "validate_grid_size",
+    "validate_positive",
+]
 
 COORD_MODES = ("index", "centered", "normalized", "ref_scaled")
+#: the modes :func:`grid_coords` builds: :data:`COORD_MODES` and DINOv3's ``normalized_pm1``
+GRID_COORD_MODES = (*COORD_MODES, "normalized_pm1")
+COORD_AUGMENT_KINDS = ("randomized", "pose", "dinov3")
 
 
 def validate_count(value: int, name: str = "num_prefix_tokens") -> int:
@@ -82,6 +127,8 @@ def _axis(n: int, mode: str, n_ref: int | None, device) -> torch.Tensor:
         return i - (n - 1) / 2
     if mode == "normalized":
         return (i + 0.5) / n
+    if mode == "normalized_pm1":
+        return 2.0 * ((i + 0.5) / n) - 1.0
     return i * (n_ref / n)
 
 
@@ -95,7 +142,7 @@ def grid_coords(
 
     Args:
         grid_size: ``(H, W)`` or ``(T, H, W)``.
-        mode: one of ``index``, ``centered``, ``normalized``, ``ref_scaled``.
+        mode: one of ``index``, ``centered``, ``normalized``, ``ref_scaled``, ``normalized_pm1``.
         ref_grid_size: the training grid, required by ``ref_scaled`` (same length as ``grid_size``).
         device: output device.
 
@@ -114,7 +161,7 @@ def grid_coords(
         tensor([-1.5000, -0.5000,  0.5000,  1.5000])
     """
     grid_size = validate_grid_size(grid_size)
-    check_choice(mode, "mode", COORD_MODES)
+    check_choice(mode, "mode", GRID_COORD_MODES)
     if mode == "ref_scaled":
         if ref_grid_size is None:
             raise ValueError("mode='ref_scaled' needs ref_grid_size (the training grid), got None")
@@ -137,3 +184,368 @@ def prefix_mask(num_prefix_tokens: int, num_patches: int, device: torch.device |
     mask = torch.zeros(num_prefix_tokens + num_patches, dtype=torch.bool, device=device)
     mask[:num_prefix_tokens] = True
     return mask
+
+
+# -- training-time coordinate augmentation -------------------------------------------------------------------------
+
+
+def _check_generator(generator: torch.Generator | None) -> torch.Generator | None:
+    """``generator`` if it is None (the global RNG) or a CPU ``torch.Generator``: every draw is made on the CPU (a
+    few numbers per forward) and moved to the coordinates' device, so a seed gives the same draws on every device."""
+    if generator is None:
+        return None
+    check_instance(generator, "generator", torch.Generator, expected="a torch.Generator or None")
+    if generator.device.type != "cpu":
+        raise ValueError(
+            f"generator must be a CPU torch.Generator (draws are made on the CPU), got one on {generator.device}"
+        )
+    return generator
+
+
+def _check_max_grid(max_grid_size: int | Sequence[int], grid_size: tuple[int, ...]) -> tuple[int, ...]:
+    """``max_grid_size`` (an int for every axis, or one int per axis) as a tuple with one entry per axis of
+    ``grid_size``, each at least the grid's length."""
+    if isinstance(max_grid_size, int) and not isinstance(max_grid_size, bool):
+        limits = (check_int(max_grid_size, "max_grid_size", min=1),) * len(grid_size)
+    else:
+        limits = validate_grid_size(max_grid_size, "max_grid_size", ndims=(len(grid_size),))
+    if any(n > limit for n, limit in zip(grid_size, limits, strict=True)):
+        raise ValueError(
+            f"max_grid_size must be at least the grid on every axis (positions are drawn from {{0..L - 1}}), "
+            f"got max_grid_size={limits} for grid_size={grid_size}"
+        )
+    return limits
+
+
+def randomized_positions(
+    grid_size: Sequence[int], max_grid_size: int | Sequence[int], generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, ...]:
+    """Randomized positions (Ruoss et al., ACL 2023) per axis: a sorted sample without replacement of n_a integers
+    from {0..L_a - 1}, one int64 ``(n_a,)`` tensor per axis (in axis order: y, x or t, y, x).
+
+    Args:
+        grid_size: the grid, ``(H, W)`` or ``(T, H, W)``.
+        max_grid_size: L, the largest position + 1, per axis (an int for every axis); at least the grid.
+        generator: a CPU ``torch.Generator``, or None for the global RNG. One ``randperm`` per axis, in axis order.
+
+    Example:
+        >>> y, x = randomized_positions((2, 3), 8, generator=torch.Generator().manual_seed(0))
+        >>> bool((y.diff() > 0).all() and (x.diff() > 0).all() and x.max() < 8)
+        True
+    """
+    grid_size = validate_grid_size(grid_size)
+    limits = _check_max_grid(max_grid_size, grid_size)
+    generator = _check_generator(generator)
+    return tuple(
+        torch.randperm(limit, generator=generator)[:n].sort().values for n, limit in zip(grid_size, limits, strict=True)
+    )
+
+
+def skip_positions(
+    grid_size: Sequence[int], max_grid_size: int | Sequence[int], generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, ...]:
+    """PoSE-style skipped positions (Zhu et al., ICLR 2024) per axis, one int64 ``(n_a,)`` tensor per axis.
+
+    Per axis a: a cut c_a ~ U{1..n_a - 1} splits 0..n_a - 1 into two chunks, and the second is shifted by
+    u_a ~ U{0..L_a - n_a}: positions 0..c_a - 1, then c_a + u_a..n_a - 1 + u_a (so the largest is at most L_a - 1).
+    An axis of length 1 has one chunk at 0. [visionpe] PoSE's 1D rule with one cut per axis; in 2D the four quadrants
+    of the grid move apart.
+
+    Args:
+        grid_size: the grid, ``(H, W)`` or ``(T, H, W)``.
+        max_grid_size: L per axis (an int for every axis); at least the grid.
+        generator: a CPU ``torch.Generator``, or None for the global RNG. Per axis, in axis order: the cut, then
+            the shift (``torch.randint``).
+
+    Example:
+        >>> y, x = skip_positions((3, 4), (3, 10), generator=torch.Generator().manual_seed(3))
+        >>> y, x  # no room to skip on y (L = n); x cut after 2 positions, the rest shifted by 4
+        (tensor([0, 1, 2]), tensor([0, 1, 6, 7]))
+    """
+    grid_size = validate_grid_size(grid_size)
+    limits = _check_max_grid(max_grid_size, grid_size)
+    generator = _check_generator(generator)
+    out = []
+    for n, limit in zip(grid_size, limits, strict=True):
+        positions = torch.arange(n)
+        if n > 1:
+            cut = int(torch.randint(1, n, (1,), generator=generator))
+            shift = int(torch.randint(0, limit - n + 1, (1,), generator=generator))
+            positions[cut:] += shift
+        out.append(positions)
+    return tuple(out)
+
+
+def grid_rows(positions: Sequence[torch.Tensor], max_grid_size: Sequence[int]) -> torch.Tensor:
+    """Row-major token indices, int64 ``(prod n_a,)``, into a grid of size ``max_grid_size`` of the tokens at the
+    per-axis ``positions`` (the product of the axes, row-major as well).
+
+    Example:
+        >>> grid_rows((torch.tensor([0, 2]), torch.tensor([1, 3])), (3, 4))
+        tensor([ 1,  3,  9, 11])
+    """
+    if len(positions) != len(max_grid_size):
+        raise ValueError(
+            f"positions and max_grid_size must have one entry per axis, got {len(positions)} and {len(max_grid_size)}"
+        )
+    rows = positions[0]
+    for axis_positions, limit in zip(positions[1:], max_grid_size[1:], strict=True):
+        rows = (rows[:, None] * limit + axis_positions[None, :]).flatten()
+    return rows
+
+
+def randomized_coords(
+    grid_size: Sequence[int],
+    max_grid_size: int | Sequence[int],
+    mode: str = "index",
+    ref_grid_size: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Coordinates ``(N, ndim)`` of a grid at randomized positions: the :func:`grid_coords` of a grid of size L
+    (``max_grid_size``) in ``mode`` at the rows and columns :func:`randomized_positions` draws.
+
+    Example:
+        >>> c = randomized_coords((2, 3), (4, 9), generator=torch.Generator().manual_seed(0))
+        >>> c.shape, bool(c[:, 1].reshape(2, 3).diff().gt(0).all())
+        (torch.Size([6, 2]), True)
+    """
+    grid_size = validate_grid_size(grid_size)
+    limits = _check_max_grid(max_grid_size, grid_size)
+    positions = randomized_positions(grid_size, limits, generator)
+    full = grid_coords(limits, mode, ref_grid_size, device)
+    return full[grid_rows(positions, limits).to(full.device)]
+
+
+def skip_coords(
+    grid_size: Sequence[int],
+    max_grid_size: int | Sequence[int],
+    mode: str = "index",
+    ref_grid_size: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Coordinates ``(N, ndim)`` of a grid with PoSE-style skips: the :func:`grid_coords` of a grid of size L
+    (``max_grid_size``) in ``mode`` at the rows and columns :func:`skip_positions` draws.
+
+    Example:
+        >>> skip_coords((2, 3), (2, 8), generator=torch.Generator().manual_seed(1))[:3, 1]  # x of the first row
+        tensor([0., 3., 4.])
+    """
+    grid_size = validate_grid_size(grid_size)
+    limits = _check_max_grid(max_grid_size, grid_size)
+    positions = skip_positions(grid_size, limits, generator)
+    full = grid_coords(limits, mode, ref_grid_size, device)
+    return full[grid_rows(positions, limits).to(full.device)]
+
+
+def _check_shift_jitter_rescale(
+    shift: float | None, jitter: float | None, rescale: float | None
+) -> tuple[float | None, float | None, float | None]:
+    return (
+        None if shift is None else check_float(shift, "shift", min=0),
+        None if jitter is None else check_float(jitter, "jitter", min=1, expected="a finite factor >= 1"),
+        None if rescale is None else check_float(rescale, "rescale", min=1, expected="a finite factor >= 1"),
+    )
+
+
+def shift_jitter_rescale(
+    coords: torch.Tensor,
+    shift: float | None = None,
+    jitter: float | None = None,
+    rescale: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """DINOv3's training-time coordinate augmentation (Siméoni et al., "DINOv3", arXiv 2508.10104, 2025), in its
+    order, each step only when its option is set:
+
+    1. shift: c_a += U(-shift, shift), one draw per axis;
+    2. jitter: c_a *= exp(U(-ln jitter, ln jitter)), one draw per axis;
+    3. rescale: c *= exp(U(-ln rescale, ln rescale)), one draw shared by every axis.
+
+    Args:
+        coords: ``(..., ndim)`` floating-point coordinates (the last dim holds the axes).
+        shift: the shift bound s >= 0, in the coordinates' units, or None.
+        jitter: the per-axis factor bound J >= 1, or None.
+        rescale: the shared factor bound S >= 1, or None.
+        generator: a CPU ``torch.Generator``, or None for the global RNG. The draws are fp32 ``uniform_`` on the
+            CPU, ndim, ndim and 1 numbers, in the order above (DINOv3's ``RopePositionEmbedding.forward``).
+
+    Returns:
+        A new tensor like ``coords``.
+
+    Example:
+        >>> c = torch.tensor([[-0.5, 0.5]])
+        >>> out = shift_jitter_rescale(c, rescale=2.0, generator=torch.Generator().manual_seed(0))
+        >>> bool(torch.allclose(out / c, (out / c)[0, 0]))  # one factor for both axes
+        True
+    """
+    if not isinstance(coords, torch.Tensor) or not coords.is_floating_point() or coords.ndim < 1:
+        raise TypeError(f"coords must be a floating-point (..., ndim) tensor, got {describe(coords)}")
+    shift, jitter, rescale = _check_shift_jitter_rescale(shift, jitter, rescale)
+    generator = _check_generator(generator)
+    ndim = coords.shape[-1]
+    if shift is not None:
+        draw = torch.empty(ndim, dtype=torch.float32).uniform_(-shift, shift, generator=generator)
+        coords = coords + draw.to(coords)
+    if jitter is not None:
+        bound = math.log(jitter)
+        draw = torch.empty(ndim, dtype=torch.float32).uniform_(-bound, bound, generator=generator).exp()
+        coords = coords * draw.to(coords)
+    if rescale is not None:
+        bound = math.log(rescale)
+        draw = torch.empty(1, dtype=torch.float32).uniform_(-bound, bound, generator=generator).exp()
+        coords = coords * draw.to(coords)
+    return coords
+
+
+@dataclass(frozen=True)
+class CoordAugment:
+    """A training-time coordinate augmentation: how a training forward draws its patch coordinates.
+
+    Set it on a model with :func:`set_coord_augment` (or ``timm.create_model(..., coord_augment=...)``): every
+    scheme that reads coordinates (rotary schemes, the distance biases ``alibi2d``, ``kerple_*``, ``bam`` and
+    ``lookhere``, the absolute ``sincos`` and ``fourier``) draws its coordinates through it in training mode, once per
+    forward, shared by the images of the batch (as DINOv3 draws them). In eval mode nothing is drawn: the outputs are
+    those of the model without augmentation, bit for bit.
+
+    Args:
+        kind: ``"randomized"`` (Ruoss et al., ACL 2023), ``"pose"`` (Zhu et al., ICLR 2024) or ``"dinov3"``
+            (Siméoni et al., arXiv 2508.10104); see the module docstring.
+        max_grid_size: ``randomized`` and ``pose``: L, the size of the grid the positions are drawn from (an int
+            for every axis, or one per axis), at least the training grid; typically the largest test grid. The
+            coordinates are those the scheme gives that grid at the drawn rows and columns, in its own coordinate
+            mode (so ``normalized`` coordinates are divided by L).
+        shift, jitter, rescale: ``dinov3``: the bounds of :func:`shift_jitter_rescale` (s >= 0 in the scheme's
+            coordinate units, J >= 1, S >= 1); at least one is set. DINOv3 released rescale=2 alone, on
+            coordinates in (-1, 1).
+        generator: a CPU ``torch.Generator`` the draws come from, or None for the global RNG (``torch.manual_seed``).
+
+    A dict with these keys is accepted wherever a ``CoordAugment`` is (configuration files).
+
+    Example:
+        >>> aug = CoordAugment("randomized", max_grid_size=(32, 32))
+        >>> coords = aug.apply(grid_coords, (3, 5))
+        >>> coords.shape, bool((coords[:, 0].reshape(3, 5)[:, 0].diff() > 0).all())
+        (torch.Size([15, 2]), True)
+    """
+
+    kind: str
+    max_grid_size: int | tuple[int, ...] | None = None
+    shift: float | None = None
+    jitter: float | None = None
+    rescale: float | None = None
+    generator: torch.Generator | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        check_choice(self.kind, "kind", COORD_AUGMENT_KINDS)
+        dinov3 = {"shift": self.shift, "jitter": self.jitter, "rescale": self.rescale}
+        if self.kind == "dinov3":
+            if self.max_grid_size is not None:
+                raise ValueError(
+                    f"max_grid_size applies to kind='randomized' or 'pose', got max_grid_size={self.max_grid_size!r} "
+                    "with kind='dinov3'"
+                )
+            if all(v is None for v in dinov3.values()):
+                raise ValueError("kind='dinov3' needs at least one of shift, jitter, rescale, got none of them")
+            checked = _check_shift_jitter_rescale(self.shift, self.jitter, self.rescale)
+            for name, value in zip(dinov3, checked, strict=True):
+                object.__setattr__(self, name, value)
+        else:
+            for name, value in dinov3.items():
+                if value is not None:
+                    raise ValueError(
+                        f"{name} applies to kind='dinov3' only, got {name}={value!r} with kind={self.kind!r}"
+                    )
+            if self.max_grid_size is None:
+                raise ValueError(
+                    f"kind={self.kind!r} needs max_grid_size (L: positions are drawn from {{0..L - 1}} per axis), "
+                    "got None"
+                )
+            if isinstance(self.max_grid_size, int) and not isinstance(self.max_grid_size, bool):
+                check_int(self.max_grid_size, "max_grid_size", min=1)
+            else:
+                limits = validate_grid_size(self.max_grid_size, "max_grid_size")
+                object.__setattr__(self, "max_grid_size", limits)
+        _check_generator(self.generator)
+
+    @classmethod
+    def from_value(cls, value: CoordAugment | Mapping[str, Any] | None, name: str = "coord_augment"):
+        """``value`` as a :class:`CoordAugment` (a dict of its fields is converted), or None for None; TypeError
+        naming ``name`` for anything else or a dict with unknown keys.
+
+        Example:
+            >>> CoordAugment.from_value({"kind": "dinov3", "rescale": 2})
+            CoordAugment(kind='dinov3', max_grid_size=None, shift=None, jitter=None, rescale=2.0)
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            known = [f.name for f in fields(cls)]
+            unknown = [k for k in value if k not in known]
+            if unknown:
+                raise TypeError(f"{name} got unknown key(s) {unknown}; valid keys: {known}")
+            if "kind" not in value:
+                raise TypeError(f"{name} must name its kind ({', '.join(COORD_AUGMENT_KINDS)}), got keys {list(value)}")
+            return cls(**value)
+        raise TypeError(f"{name} must be a CoordAugment, a dict of its fields or None, got {describe(value)}")
+
+    def apply(self, coords_fn: Callable[[tuple[int, ...]], torch.Tensor], grid_size: Sequence[int]) -> torch.Tensor:
+        """One draw of the augmented coordinates of ``grid_size``.
+
+        Args:
+            coords_fn: the scheme's coordinate builder: a grid size -> its coordinates, row-major, first dim the
+                tokens and last dim the axes (``(N, ndim)``, or ``(N, G, ndim)`` for Fourier features' corners).
+            grid_size: the grid of the forward.
+
+        Returns:
+            ``randomized`` / ``pose``: the rows of ``coords_fn(max_grid_size)`` at the drawn positions;
+            ``dinov3``: :func:`shift_jitter_rescale` of ``coords_fn(grid_size)``.
+        """
+        grid_size = validate_grid_size(grid_size)
+        if self.kind == "dinov3":
+            return shift_jitter_rescale(coords_fn(grid_size), self.shift, self.jitter, self.rescale, self.generator)
+        limits = _check_max_grid(self.max_grid_size, grid_size)
+        draw = randomized_positions if self.kind == "randomized" else skip_positions
+        positions = draw(grid_size, limits, self.generator)
+        full = coords_fn(limits)
+        return full[grid_rows(positions, limits).to(full.device)]
+
+
+def set_coord_augment(module: nn.Module, coord_augment: CoordAugment | Mapping[str, Any] | None) -> list[str]:
+    """Set (or with None, clear) the training-time coordinate augmentation of every scheme of ``module`` that reads
+    coordinates; returns the names of the schemes set (``""`` for ``module`` itself).
+
+    ``module`` is a model or one scheme. Schemes that read integer offsets or tables instead of coordinates
+    (``learned``, ``cpe``, ``irpe``, ``none``) are left as they are in a model with other schemes (rope-vit's
+    ``["learned", "rope_mixed"]`` augments the rotary part); a ValueError is raised when the scheme given, or every
+    scheme of the model, reads no coordinates.
+
+    Example:
+        >>> import timm, visionpe
+        >>> m = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=["learned", "rope_axial"], depth=1)
+        >>> set_coord_augment(m, CoordAugment("randomized", max_grid_size=28))
+        ['pos_schemes.rope_axial']
+    """
+    from torch import nn
+
+    from .base import PositionEncoding
+
+    check_instance(module, "module", nn.Module, expected="a torch.nn.Module (a model or a scheme)")
+    coord_augment = CoordAugment.from_value(coord_augment)
+    schemes = [(n, m) for n, m in module.named_modules() if isinstance(m, PositionEncoding)]
+    if not schemes:
+        raise ValueError(f"module must hold a visionpe position scheme, got a {type(module).__name__} with none")
+    if isinstance(module, PositionEncoding):
+        module.coord_augment = coord_augment  # raises for a scheme that reads no coordinates
+        return [""]
+    targets = [(n, m) for n, m in schemes if m.consumes_coords]
+    if not targets:
+        names = [getattr(m, "scheme_name", type(m).__name__) for _, m in schemes]
+        raise ValueError(
+            f"coord_augment applies to schemes that read coordinates, but this model's schemes {names} read integer "
+            f"offsets or tables; got coord_augment={coord_augment!r}"
+        )
+    for _, scheme in targets:
+        scheme.coord_augment = coord_augment
+    return [n for n, _ in targets]

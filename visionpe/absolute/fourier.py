@@ -94,6 +94,8 @@ class LearnableFourierPosEmbed(AbsolutePositionEncoding):
         coord_mode: ``normalized`` (default), ``index`` or ``centered``; with ``index`` a larger gamma fits better.
     """
 
+    consumes_coords = True  # a training-time coord_augment draws the positions (patch centres or corners)
+
     def __init__(
         self,
         dim: int,
@@ -138,5 +140,5 @@ class LearnableFourierPosEmbed(AbsolutePositionEncoding):
     def forward(self, x: torch.Tensor, grid_size: tuple[int, ...], num_prefix_tokens: int) -> torch.Tensor:
         """``x`` (B, P + N, D) -> same shape, the encoding added to the N patch tokens."""
         grid_size = self.check_tokens(x, grid_size, num_prefix_tokens, self.dim)
-        pe = self.encoder(self.positions(grid_size, x.device))
+        pe = self.encoder(self.forward_coords(grid_size, coords_fn=lambda grid: self.positions(grid, x.device)))
         return torch.cat([x[:, :num_prefix_tokens], x[:, num_prefix_tokens:] + pe.to(x.dtype)], dim=1)

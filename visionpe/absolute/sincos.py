@@ -44,7 +44,12 @@ class SinCosPosEmbed(AbsolutePositionEncoding):
         dim: model width (divisible by 4).
         grid_size: training grid, used by ``resize='interpolate'``.
         resize: ``recompute`` (extrapolate on integer positions) or ``interpolate``.
+
+    In training with a ``coord_augment`` (:class:`~visionpe.grid.CoordAugment`) the table is computed on the drawn
+    coordinates, whatever ``resize``.
     """
+
+    consumes_coords = True  # index coordinates; a training-time coord_augment draws them
 
     def __init__(
         self,
@@ -80,5 +85,8 @@ class SinCosPosEmbed(AbsolutePositionEncoding):
 
     def forward(self, x: torch.Tensor, grid_size: tuple[int, ...], num_prefix_tokens: int) -> torch.Tensor:
         grid_size = self.check_tokens(x, grid_size, num_prefix_tokens, self.dim)
-        pe = self.table(grid_size, x.device).to(x.dtype)
+        if self.training and self.coord_augment is not None:  # the table of drawn coordinates
+            pe = sincos_2d(self.forward_coords(grid_size, x.device), self.dim, self.temperature).to(x.dtype)
+        else:
+            pe = self.table(grid_size, x.device).to(x.dtype)
         return torch.cat([x[:, :num_prefix_tokens], x[:, num_prefix_tokens:] + pe], dim=1)

@@ -9,7 +9,8 @@ Memory: the per-forward state is one distance per grid offset, (2H - 1)(2W - 1) 
 bias of the query rows it needs (all rows, or one chunk when attention runs in query chunks) through an offset
 index built from coordinate differences, after scaling the table in fp32 and rounding it once to the activation
 dtype, so a large grid never holds an (N, N) map. Small grids (``full_state_max_tokens``) cache the full (N, N)
-int32 index once per forward instead.
+int32 index once per forward instead. In training with a ``coord_augment`` (:class:`~visionpe.grid.CoordAugment`)
+the drawn coordinates are no function of the offset: each block computes its rows' distances from them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..base import BiasPositionEncoding, check_model_shape
 from ..checks import check_int
 from ..grid import grid_coords, validate_grid_size
 from ..registry import register_scheme
+from .distance import CoordinateState, coordinate_distances
 from .offsets import DistanceState, GlobalSlope, distance_state, gather_offsets, query_rows
 
 __all__ = ["Alibi2D", "alibi_slopes", "grid_distances"]
@@ -75,6 +77,7 @@ class Alibi2D(GlobalSlope, BiasPositionEncoding):
     """
 
     ndims = (2,)
+    consumes_coords = True  # index coordinates; a training-time coord_augment draws them (CoordinateState)
     # grids up to this many tokens cache their full offset index per forward (4 MB at 1024 tokens)
     full_state_max_tokens: int = 1024
 
@@ -84,8 +87,13 @@ class Alibi2D(GlobalSlope, BiasPositionEncoding):
         self.global_slope = global_slope  # checked by the setter
         self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)
 
-    def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> DistanceState:
-        """Distance per grid offset for the current grid (and the full offset index when the grid is small)."""
+    def prepare(
+        self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None
+    ) -> DistanceState | CoordinateState:
+        """Distance per grid offset for the current grid (and the full offset index when the grid is small); in
+        training with ``coord_augment``, the drawn coordinates (each block then computes its rows' distances)."""
+        if self.training and self.coord_augment is not None:
+            return CoordinateState(self.forward_coords(self.check_grid(grid_size), device), num_prefix_tokens)
         return distance_state(self.check_grid(grid_size), num_prefix_tokens, device, self.full_state_max_tokens)
 
     def attn_bias(
@@ -105,5 +113,8 @@ class Alibi2D(GlobalSlope, BiasPositionEncoding):
         # block.
         compute = torch.promote_types(q.dtype, torch.float32)
         slopes = (-self.global_slope * self.slopes).to(compute)
+        if isinstance(state, CoordinateState):  # drawn coordinates: each pair's distance
+            distances = coordinate_distances(state, "euclidean", rows)[0].to(compute)
+            return (slopes[:, None, None] * distances).to(q.dtype)[None]
         table = (slopes[:, None] * state.table.to(compute)).to(q.dtype)
         return gather_offsets(table, state.offset_index(query_rows(rows, n), range(n)))[None]

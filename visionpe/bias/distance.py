@@ -12,6 +12,11 @@ Every distance depends on the offset p_i - p_j only, so the per-forward state ke
 kept, and a larger grid recomputes its distances (nothing is resampled). Pairs involving a prefix token (cls,
 registers) get the kernel's value at distance 0: zero for KERPLE and ALiBi, and a per-head constant for BAM, which
 the softmax cancels.
+
+In training with a coordinate augmentation (``coord_augment``, :class:`~visionpe.grid.CoordAugment`) the drawn
+coordinates are no function of the grid offset, so the state keeps them instead (:class:`CoordinateState`, O(N))
+and each block computes the distances of the query rows it asks for from them (:func:`coordinate_distances`);
+evaluation keeps the per-offset tables.
 """
 
 from __future__ import annotations
@@ -20,12 +25,20 @@ from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..base import BiasPositionEncoding, check_layer, check_model_shape
 from ..checks import check_choice
 from .offsets import OffsetState, gather_offsets, offset_state, query_rows
 
-__all__ = ["DISTANCES", "AxisDistanceState", "DistanceKernelBias", "axis_distances"]
+__all__ = [
+    "DISTANCES",
+    "AxisDistanceState",
+    "CoordinateState",
+    "DistanceKernelBias",
+    "axis_distances",
+    "coordinate_distances",
+]
 
 DISTANCES = ("euclidean", "manhattan", "axis")
 
@@ -58,6 +71,40 @@ def axis_distances(state: OffsetState, distance: str) -> torch.Tensor:
     return torch.cat((rows, rows.new_zeros(len(rows), 1)), 1)
 
 
+@dataclass
+class CoordinateState:
+    """Per-forward state of a distance bias whose patch coordinates were drawn by a training-time ``coord_augment``:
+    ``coords`` (N, ndim) fp32, row-major, after ``num_prefix_tokens`` prefix tokens that have no position."""
+
+    coords: torch.Tensor
+    num_prefix_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefix_tokens + self.coords.shape[0]
+
+    def offsets(self, rows: slice | None = None) -> torch.Tensor:
+        """p_i - p_j, fp32 (ndim, R, P + N) for the query ``rows`` (all rows for None), 0 for pairs with a prefix
+        token."""
+        n, p = self.num_tokens, self.num_prefix_tokens
+        selected = query_rows(rows, n)
+        queries = self.coords[max(selected.start, p) - p : max(selected.stop, p) - p]
+        diff = (queries[:, None, :] - self.coords[None, :, :]).permute(2, 0, 1)
+        return F.pad(diff, (p, 0, len(selected) - len(queries), 0))
+
+
+def coordinate_distances(state: CoordinateState, distance: str, rows: slice | None = None) -> torch.Tensor:
+    """fp32 (A, R, P + N) distances between the coordinates of ``state`` for the query ``rows``, computed as
+    :func:`axis_distances` computes them per grid offset (the same values at grid coordinates); 0 for prefix pairs."""
+    check_choice(distance, "distance", DISTANCES)
+    dy, dx = state.offsets(rows).abs().unbind(0)
+    if distance == "euclidean":
+        return dy.square().add(dx.square()).sqrt()[None]
+    if distance == "manhattan":
+        return (dy + dx)[None]
+    return torch.stack((dy, dx))
+
+
 class DistanceKernelBias(BiasPositionEncoding):
     """Base class of biases b_h(i, j) = sum_a f_{l, a, h}(d_a(i, j)), a learned kernel of the distance.
 
@@ -67,6 +114,7 @@ class DistanceKernelBias(BiasPositionEncoding):
     """
 
     ndims = (2,)
+    consumes_coords = True  # index coordinates; a training-time coord_augment draws them (CoordinateState)
     #: grids up to this many tokens cache their full (N, N) offset index per forward (4 MB at 1024 tokens)
     full_state_max_tokens: int = 1024
 
@@ -81,8 +129,13 @@ class DistanceKernelBias(BiasPositionEncoding):
     def kernel(self, distances: torch.Tensor, layer: int) -> torch.Tensor:
         """(A, h, K + 1) bias values of block ``layer`` at ``distances`` (A, 1, K + 1), in their dtype."""
 
-    def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> AxisDistanceState:
-        """Distances per grid offset for the current grid (and the full offset index when the grid is small)."""
+    def prepare(
+        self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None
+    ) -> AxisDistanceState | CoordinateState:
+        """Distances per grid offset for the current grid (and the full offset index when the grid is small); in
+        training with ``coord_augment``, the drawn coordinates."""
+        if self.training and self.coord_augment is not None:
+            return CoordinateState(self.forward_coords(self.check_grid(grid_size), device), num_prefix_tokens)
         base = offset_state(self.check_grid(grid_size), num_prefix_tokens, device, self.full_state_max_tokens)
         table = axis_distances(base, self.distance)
         return AxisDistanceState(base.grid_size, base.num_prefix_tokens, base.device, base.index, table)
@@ -106,6 +159,12 @@ class DistanceKernelBias(BiasPositionEncoding):
                 f"q and k must have shape (B, {self.num_heads}, {num_rows}, head_dim) and "
                 f"(B, {self.num_heads}, {n}, head_dim) for this grid, got q {tuple(q.shape)}, k {tuple(k.shape)}"
             )
+        if isinstance(state, CoordinateState):  # drawn coordinates: the kernel of each pair's distances
+            distances = coordinate_distances(state, self.distance, rows)
+            compute = torch.promote_types(q.dtype, torch.float32)
+            with torch.autocast(distances.device.type, enabled=False):
+                values = self.kernel(distances.to(compute).flatten(1)[:, None], layer).sum(0)
+            return values.unflatten(-1, distances.shape[1:]).to(q.dtype)[None]
         table = self.offset_table(state, layer, q.dtype)
         return gather_offsets(table, state.offset_index(query_rows(rows, n), range(n)))[None]
 

@@ -11,6 +11,8 @@ per-forward state is one (h, (2H - 1)(2W - 1)) table: the distance, or +inf outs
 it by its slopes in fp32, rounds it once to the activation dtype, and gathers the bias of the query rows it needs
 (all rows, or one chunk when attention runs in query chunks), so a large grid never holds an (N, N) map. Small grids
 (``full_state_max_tokens``) cache the full (N, N) offset index. Nothing is precomputed per layer or resolution.
+In training with a ``coord_augment`` (:class:`~visionpe.grid.CoordAugment`) the views and distances of each block's
+query rows are computed from the drawn coordinates instead.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..base import BiasPositionEncoding, check_layer, check_model_shape
 from ..checks import check_choice, check_float, check_int, check_positive, is_number
 from ..grid import grid_coords, validate_grid_size
 from ..registry import register_scheme
+from .distance import CoordinateState
 from .offsets import GlobalSlope, OffsetState, distance_state, gather_offsets, query_rows
 
 __all__ = ["LookHere", "LookHereState", "LOOKHERE_VARIANTS", "lookhere_heads", "lookhere_fov_masks"]
@@ -162,6 +165,7 @@ class LookHere(GlobalSlope, BiasPositionEncoding):
     """
 
     ndims = (2,)
+    consumes_coords = True  # index coordinates; a training-time coord_augment draws them (CoordinateState)
     # grids up to this many tokens cache their full int32 offset index per forward (4 MB at 1024 tokens)
     full_state_max_tokens: int = 1024
 
@@ -198,10 +202,15 @@ class LookHere(GlobalSlope, BiasPositionEncoding):
         self.register_buffer("layer_slopes", torch.linspace(first, last, depth), persistent=False)
         self.fov = {"180": 180.0, "90": 90.0, "45": 45.0}[variant]
 
-    def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> LookHereState:
-        """Per-offset penalties for ``grid_size`` (prefix tokens see and are seen by every token)."""
+    def prepare(
+        self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None
+    ) -> LookHereState | CoordinateState:
+        """Per-offset penalties for ``grid_size`` (prefix tokens see and are seen by every token); in training with
+        ``coord_augment``, the drawn coordinates (each block then builds its rows' views and distances)."""
         grid_size = self.check_grid(grid_size)
         device = torch.device(device) if device is not None else self.head_slopes.device
+        if self.training and self.coord_augment is not None:
+            return CoordinateState(self.forward_coords(grid_size, device), num_prefix_tokens)
         base = distance_state(grid_size, num_prefix_tokens, device, self.full_state_max_tokens)
         # the table's offsets are p_i - p_j; a view is defined on p_j - p_i
         dy, dx = (-t for t in base.offsets())
@@ -229,5 +238,10 @@ class LookHere(GlobalSlope, BiasPositionEncoding):
         # Outside the view +inf times a negative slope is -inf, which the cast keeps.
         compute = torch.promote_types(q.dtype, torch.float32)
         slopes = (-self.global_slope * self.layer_slopes[layer] * self.head_slopes).to(compute)
+        if isinstance(state, CoordinateState):  # drawn coordinates: each pair's view and distance
+            dy, dx = (-d for d in state.offsets(rows))  # p_j - p_i, as the views are defined
+            views = torch.stack([_fov_mask(dy, dx, d, self.fov) for d in self.directions])
+            penalty = dy.square().add(dx.square()).sqrt().expand_as(views).masked_fill(~views, float("inf"))
+            return (penalty.to(compute) * slopes[:, None, None]).to(q.dtype)[None]
         table = (state.penalty.to(compute) * slopes[:, None]).to(q.dtype)
         return gather_offsets(table, state.offset_index(selected, range(n)))[None]

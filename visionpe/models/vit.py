@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..attention import PosBlock, PositionContext
 from ..base import AbsolutePositionEncoding
+from ..grid import CoordAugment, set_coord_augment
 from ..registry import create_pos_embed, get_scheme_class
 
 __all__ = ["VisionPEViT", "normalize_schemes", "check_img_size"]
@@ -82,6 +83,9 @@ class VisionPEViT(VisionTransformer):
     Args:
         pos_embed: scheme name or list of names (``["learned", "rope_mixed"]`` is rope-vit's Mixed + APE).
         pos_embed_kwargs: options per scheme, ``{"rope_axial": {"base": 100}}`` (or flat for one scheme).
+        coord_augment: a training-time coordinate augmentation (:class:`~visionpe.grid.CoordAugment`, or a dict of
+            its fields) for every scheme that reads coordinates (:func:`~visionpe.grid.set_coord_augment`); None
+            (default) keeps each scheme's own (none, except ``rope_dinov3``'s rescale).
         **kwargs: timm ``VisionTransformer`` arguments (``img_size``, ``dynamic_img_size``, ``class_token``...).
             ``no_embed_class`` (DeiT III, register ViTs) goes to the ``learned`` table, as in timm.
 
@@ -93,9 +97,11 @@ class VisionPEViT(VisionTransformer):
         self,
         pos_embed: str | Sequence[str] = "learned",
         pos_embed_kwargs: dict[str, Any] | None = None,
+        coord_augment: CoordAugment | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         schemes = normalize_schemes(pos_embed, pos_embed_kwargs)
+        coord_augment = CoordAugment.from_value(coord_augment)
         patch_drop = kwargs.get("patch_drop_rate", 0.0) > 0
         for key in ("block_fn", "attn_layer"):
             if key in kwargs:
@@ -134,6 +140,8 @@ class VisionPEViT(VisionTransformer):
                     f"after blocks {after}; got patch_drop_rate={kwargs['patch_drop_rate']}"
                 )
         self.pos_embed_names = list(schemes)
+        if coord_augment is not None:
+            set_coord_augment(self, coord_augment)
         if patch_drop:
             # timm's patch dropout, returning the kept indices: rotary and bias states are gathered with them
             self.patch_drop = PatchDropoutWithIndices(

@@ -197,9 +197,9 @@ class StringBase(LinearRotary):
         return ("patch_depth",) if self.depth_coords else ()
 
     def model_coords(self, grid_size: tuple[int, ...], device=None, **inputs: torch.Tensor) -> torch.Tensor:
-        """The grid's coordinates, or with ``depth_coords`` the (B, N, 3) positions (z, y, x) of
-        :meth:`depth_positions` from ``patch_depth``."""
-        coords = self.coords(grid_size, device)
+        """The grid's coordinates (:meth:`forward_coords`: drawn through ``coord_augment`` in training), or with
+        ``depth_coords`` the (B, N, 3) positions (z, y, x) of :meth:`depth_positions` from ``patch_depth``."""
+        coords = self.forward_coords(grid_size, device)
         return self.depth_positions(coords, inputs.get("patch_depth")) if self.depth_coords else coords
 
     def rotate(
