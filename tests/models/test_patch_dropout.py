@@ -32,6 +32,9 @@ def _model(pos_embed, **kw):
     with torch.no_grad():  # position parameters that start at zero (iRPE tables) or at the identity get values
         for param in model.pos_schemes.parameters():
             param.add_(0.1 * torch.randn_like(param))
+    for scheme in model.pos_schemes.values():  # the model and its reference draw no coordinates (rope_dinov3 would)
+        if scheme.coord_augment is not None:
+            scheme.coord_augment = None
     return model
 
 

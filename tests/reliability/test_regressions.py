@@ -30,6 +30,8 @@ def _explicit_coords(scheme, height, width):
     y, x = (k // width).float(), (k % width).float()
     if scheme.coord_mode == "normalized":
         y, x = (y + 0.5) / height, (x + 0.5) / width
+    if scheme.coord_mode == "normalized_pm1":
+        y, x = 2 * (y + 0.5) / height - 1, 2 * (x + 0.5) / width - 1
     return torch.stack([y, x], dim=1)
 
 
@@ -51,9 +53,10 @@ def test_model_reads_the_grid_of_a_non_square_image_as_rows_by_columns(name):
 
 @pytest.mark.parametrize("name", ROTARY)
 def test_model_rotation_of_a_non_square_grid_equals_rotation_at_explicit_y_x(name):
-    """The rotation the model applies to patch token k is the scheme's rotation at (y, x) = (k // W, k % W)."""
+    """The rotation the model applies to patch token k is the scheme's rotation at (y, x) = (k // W, k % W) (in eval
+    mode: a scheme may draw its coordinates in training, as rope_dinov3 does)."""
     torch.manual_seed(0)
-    model = perturb_(tiny_vit(name, dynamic_img_size=True))
+    model = perturb_(tiny_vit(name, dynamic_img_size=True)).eval()
     scheme, (state,) = model.pos_schemes[name], model.position_context((HEIGHT, WIDTH), torch.device("cpu")).rotary
     x = torch.randn(1, 2, 1 + HEIGHT * WIDTH, 16)
     in_model = scheme.apply(torch.stack([x, x]), state, 0)[0]
