@@ -7,6 +7,11 @@ layers at once would be 300 MB. Schemes with one frequency set for every layer (
 table once per forward; schemes with per-layer frequencies (RoPE-Mixed, STRING) keep the coordinates and
 frequencies in the state and build each layer's table when that layer applies it, so only one layer's table
 (plus those autograd keeps for backward) exists at a time.
+
+Rotary value embeddings (``rotate_values=True``, García-Castellanos, Weiler, Bekkers, "RoVE: Rotary Value
+Embeddings Attention for Relative Position-dependent Value Pathways", arXiv 2606.11275): the values are rotated by
+the keys' tables and attention's output back by the queries', o_i = R(p_i)^T sum_j a_ij R(p_j) v_j
+= sum_j a_ij R(p_j - p_i) v_j. Those tables are unit rotations: YaRN's multiplier scales q and k only.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import RotaryPositionEncoding, check_layer, check_model_shape
+from ..checks import check_bool
 from ..grid import COORD_MODES
 from .functional import apply_rotary, rotary_angles, rotary_tables, rotate_qkv_pairs_
 from .scaling import Extrapolation, scale_frequencies, yarn_attention_factor
@@ -30,9 +36,13 @@ class TableRotation(LayerRotation):
     """One block's rotation by interleaved cos/sin tables (:func:`~visionpe.rotary.functional.rotary_tables`):
     (num_heads | 1, T, head_dim) shared by the images, or (B, num_heads | 1, T, head_dim), one per image."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def __init__(
+        self, cos: torch.Tensor, sin: torch.Tensor, value_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
         self.cos, self.sin = cos, sin
         self.num_tokens = cos.shape[-2]
+        # rotary value embeddings: unit cos/sin of the same angles (without YaRN's multiplier); None: v unrotated
+        self.value_tables = value_tables
 
     def rotate(self, qk: torch.Tensor) -> torch.Tensor:
         cos, sin = self.cos, self.sin
@@ -46,17 +56,31 @@ class TableRotation(LayerRotation):
     def kept_tables(self, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (B, num_heads | 1, K, head_dim) at the tokens ``keep`` (B, K) of each sample (int64 indices into
         the T tokens of the tables)."""
-        cos, sin = self.cos, self.sin
-        if not isinstance(keep, torch.Tensor) or keep.ndim != 2 or keep.dtype != torch.int64:
-            got = f"{tuple(keep.shape)} {keep.dtype}" if isinstance(keep, torch.Tensor) else type(keep).__name__
-            raise ValueError(f"keep must be an int64 (B, K) index of the kept tokens, got {got}")
-        if cos.ndim == 3:  # (num_heads | 1, T, head_dim): the rows of each sample's kept tokens
-            return tuple(table[:, keep].transpose(0, 1) for table in (cos, sin))
-        # per-sample tables (B, num_heads | 1, T, head_dim)
-        if len(cos) != len(keep):
-            raise ValueError(f"keep has {len(keep)} samples but the per-sample tables have {len(cos)}")
-        index = keep[:, None, :, None].expand(-1, cos.shape[1], -1, cos.shape[-1])
-        return cos.gather(2, index), sin.gather(2, index)
+        return _kept_rows(self.cos, self.sin, keep)
+
+    def rotate_values(self, v: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """R(p_j) v_j by the unit tables when the scheme rotates values (``keep``: the kept rows), else ``v``."""
+        if self.value_tables is None:
+            return v
+        cos, sin = self._value_tables(v, keep)
+        return apply_rotary(v, cos, sin)
+
+    def unrotate_output(self, o: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """R(p_i)^T o_i (the inverse rotation: the sin table negated) when the scheme rotates values, else ``o``."""
+        if self.value_tables is None:
+            return o
+        cos, sin = self._value_tables(o, keep)
+        return apply_rotary(o, cos, -sin)
+
+    def _value_tables(self, x: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unit tables of the T tokens, or of the kept ones, checked against ``x`` (B, num_heads, T | K, d)."""
+        cos, sin = self.value_tables if keep is None else _kept_rows(*self.value_tables, keep)
+        if x.ndim != 4 or x.shape[-2:] != cos.shape[-2:]:
+            raise ValueError(
+                f"the values / attention output must have shape (B, num_heads, {cos.shape[-2]}, {cos.shape[-1]}) "
+                f"to match the prepared state, got {tuple(x.shape)}"
+            )
+        return cos, sin
 
     def rotate_kept(self, qk: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """The kept rows of the tables, gathered per sample (:meth:`kept_tables`), rotate the kept tokens directly."""
@@ -85,17 +109,41 @@ class TableRotation(LayerRotation):
         return IdentityRotation().rotate_qkv(rotate_qkv_pairs_(qkv, cos, sin, num_heads), batch, num_heads)
 
 
+def _kept_rows(cos: torch.Tensor, sin: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (B, num_heads | 1, K, head_dim) at the tokens ``keep`` (B, K) of each sample, from tables
+    (num_heads | 1, T, head_dim) or per-sample (B, num_heads | 1, T, head_dim)."""
+    if not isinstance(keep, torch.Tensor) or keep.ndim != 2 or keep.dtype != torch.int64:
+        got = f"{tuple(keep.shape)} {keep.dtype}" if isinstance(keep, torch.Tensor) else type(keep).__name__
+        raise ValueError(f"keep must be an int64 (B, K) index of the kept tokens, got {got}")
+    if cos.ndim == 3:  # (num_heads | 1, T, head_dim): the rows of each sample's kept tokens
+        return tuple(table[:, keep].transpose(0, 1) for table in (cos, sin))
+    # per-sample tables (B, num_heads | 1, T, head_dim)
+    if len(cos) != len(keep):
+        raise ValueError(f"keep has {len(keep)} samples but the per-sample tables have {len(cos)}")
+    index = keep[:, None, :, None].expand(-1, cos.shape[1], -1, cos.shape[-1])
+    return cos.gather(2, index), sin.gather(2, index)
+
+
 class TableState(RotaryState):
     """State of a scheme whose tables serve every block (RoPE-Axial): cos/sin (1, num_heads | 1, T, head_dim) built
     once per forward."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, depth: int | None, scheme: str) -> None:
+    def __init__(
+        self,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        depth: int | None,
+        scheme: str,
+        value_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         self.cos, self.sin, self.depth, self.scheme = cos, sin, depth, scheme
+        self.value_tables = value_tables  # unit tables of rotary value embeddings, or None
 
     def layer(self, index: int) -> TableRotation:
         check_layer(index, self.depth, self.scheme)
         row = index if self.cos.shape[0] > 1 else 0
-        return TableRotation(self.cos[row], self.sin[row])
+        values = None if self.value_tables is None else tuple(table[row] for table in self.value_tables)
+        return TableRotation(self.cos[row], self.sin[row], values)
 
 
 @dataclass(frozen=True)
@@ -104,7 +152,7 @@ class LayerAngles(RotaryState):
 
     ``coords`` (N, ndim) patch coordinates (or (B, 1, N, ndim) per sample: STRING's RGB-D depth), ``freqs``
     (depth | 1, num_heads | 1, ndim, head_dim // 2) frequencies after extrapolation scaling, ``mscale`` the YaRN
-    multiplier of the tables.
+    multiplier of the tables, ``rotate_values`` whether the blocks also rotate v and o (unit tables).
     """
 
     coords: torch.Tensor
@@ -113,11 +161,15 @@ class LayerAngles(RotaryState):
     mscale: float
     depth: int | None = None
     scheme: str = "LinearRotary"
+    rotate_values: bool = False
 
     def layer(self, index: int) -> TableRotation:
         check_layer(index, self.depth, self.scheme)
         freqs = self.freqs[index if self.freqs.shape[0] > 1 else 0]
-        return TableRotation(*_tables(self.coords, freqs, self.num_prefix_tokens, self.mscale))
+        if not self.rotate_values:
+            return TableRotation(*_tables(self.coords, freqs, self.num_prefix_tokens, self.mscale))
+        cos, sin, values = _value_tables(self.coords, freqs, self.num_prefix_tokens, self.mscale)
+        return TableRotation(cos, sin, values)
 
 
 class LinearRotary(RotaryPositionEncoding, Extrapolation):
@@ -130,6 +182,8 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
     the training grid (``grid_size`` at construction); the default ``"none"`` leaves them untouched.
     ``coord_mode`` is one of :data:`~visionpe.grid.COORD_MODES`; ``ref_scaled`` (i * n_train / n, position
     interpolation) is relative to the training grid, so it needs ``grid_size``.
+    ``rotate_values=True`` (rotary value embeddings, see the module docstring) also rotates the values by the keys'
+    positions and attention's output back by the queries', with unit tables of the same angles.
     """
 
     def __init__(
@@ -143,9 +197,12 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
         extrapolation: str = "none",
         yarn_alpha: float = 1.0,
         yarn_beta: float = 32.0,
+        *,
+        rotate_values: bool = False,
     ) -> None:
         super().__init__()
         head_dim = check_model_shape(dim, num_heads, depth)
+        self.rotate_values = check_bool(rotate_values, "rotate_values")
         if ndim not in (2, 3):
             raise ValueError(f"ndim must be 2 or 3, got {ndim!r}")
         if head_dim % 4:
@@ -187,11 +244,15 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
     ) -> TableState | LayerAngles:
         freqs, mscale = self.scaled_frequencies(grid_size)
         name = type(self).__name__
+        values = self.rotate_values
         if coords.ndim == 3:  # per-sample positions (B, N, ndim): (B, num_heads | 1, P + N, head_dim) per layer
-            return LayerAngles(coords.unsqueeze(1), freqs, num_prefix_tokens, mscale, self.depth, name)
+            return LayerAngles(coords.unsqueeze(1), freqs, num_prefix_tokens, mscale, self.depth, name, values)
         if freqs.shape[0] > 1:
-            return LayerAngles(coords, freqs, num_prefix_tokens, mscale, self.depth, name)
-        return TableState(*_tables(coords, freqs, num_prefix_tokens, mscale), self.depth, name)
+            return LayerAngles(coords, freqs, num_prefix_tokens, mscale, self.depth, name, values)
+        if not values:
+            return TableState(*_tables(coords, freqs, num_prefix_tokens, mscale), self.depth, name)
+        cos, sin, value_tables = _value_tables(coords, freqs, num_prefix_tokens, mscale)
+        return TableState(cos, sin, self.depth, name, value_tables)
 
     def layer_tables(self, state: TableState | LayerAngles, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (num_heads | 1, P + N, head_dim) of block ``layer`` from a ``prepare`` state
@@ -209,3 +270,14 @@ def _tables(
         # YaRN's temperature: every row (prefix included) so all logits scale alike
         cos, sin = cos * mscale, sin * mscale
     return cos, sin
+
+
+def _value_tables(
+    coords: torch.Tensor, freqs: torch.Tensor, num_prefix_tokens: int, mscale: float
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """cos/sin tables of q and k (YaRN's ``mscale`` included) and the unit tables of the values and the output:
+    the same tensors when ``mscale`` is 1."""
+    cos, sin = _tables(coords, freqs, num_prefix_tokens, 1.0)
+    if mscale == 1.0:
+        return cos, sin, (cos, sin)
+    return cos * mscale, sin * mscale, (cos, sin)

@@ -65,6 +65,8 @@ class ComRoPEAP(ComRoPEBase):
             cell (the reference's perturbation intensity / 2); 0 (default) turns it off.
         offset_std: training only: std of one global offset of all positions per forward, in position units;
             0 (default) turns it off. Both are finite non-negative numbers (:meth:`augment`).
+        rotate_values: rotary value embeddings (RoVE): v_j -> R(x_j) v_j and o_i -> R(x_i)^T o_i, exactly relative
+            (:mod:`visionpe.rotary.lie_base`); False by default.
     """
 
     def init_generators(self) -> None:

@@ -58,6 +58,7 @@ class ComRoPEBase(LieBlockRotary):
         extrapolation: str = "none",
         jitter_std: float = 0.0,
         offset_std: float = 0.0,
+        rotate_values: bool = False,
     ) -> None:
         if pos_norm not in POS_NORMS:
             raise ValueError(f"pos_norm must be one of {POS_NORMS}, got {pos_norm!r}")
@@ -67,7 +68,7 @@ class ComRoPEBase(LieBlockRotary):
             check_float(value, name, min=0, expected="a finite non-negative number")
         check_bool(rotate_prefix, "rotate_prefix")  # bool("no") is True
         self.pos_norm = pos_norm
-        super().__init__(dim, num_heads, depth, block_size, ndim, grid_size, extrapolation)
+        super().__init__(dim, num_heads, depth, block_size, ndim, grid_size, extrapolation, rotate_values)
         self.rotate_prefix, self.init_std = bool(rotate_prefix), float(init_std)
         self.jitter_std, self.offset_std = float(jitter_std), float(offset_std)
         self.coord_mode = "normalized"

@@ -16,6 +16,11 @@ generators do not commute, so no basis turns every token's exponent into a set o
 PI only. ComRoPE's generators commute, and its subclasses rescale the eigenfrequencies of each block
 (:meth:`rotation_plan` receives the per-axis factors); YaRN's multiplier scales the rotated q and k (:class:`LieState`).
 Each block gets a :class:`BlockRotation` from the state (:mod:`visionpe.rotary.state`).
+Rotary value embeddings (``rotate_values=True``; García-Castellanos, Weiler, Bekkers, "RoVE: Rotary Value Embeddings
+Attention for Relative Position-dependent Value Pathways", arXiv 2606.11275): v_j -> R(p_j) v_j before attention
+and o_i -> R(p_i)^T o_i after it (the rotations are orthogonal: the inverse is the transpose), without YaRN's
+multiplier. o_i = sum_j a_ij R(p_i)^T R(p_j) v_j, which is sum_j a_ij R(p_j - p_i) v_j where the generators commute
+(ComRoPE, LieRE with 2 x 2 blocks or one axis) and only approximately so for LieRE's larger blocks.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from ..base import RotaryPositionEncoding, check_layer, check_model_shape
-from ..checks import is_int
+from ..checks import check_bool, is_int
+from ..tokens import gather_tokens, scatter_tokens
 from .block_rotation import TokenRotations, apply_block_rotation
 from .expm import LayerExponentials, block_skew_expm
 from .scaling import EXTRAPOLATION_MODES, Extrapolation, yarn_attention_factor
@@ -40,20 +46,52 @@ _CHUNK_TOKENS = 512  # tokens rotated at a time without autograd: bounds the (h,
 
 class BlockRotation(LayerRotation):
     """One block's Lie-group rotation: ``rotations`` of the tokens after ``num_prefix_tokens`` unrotated ones,
-    times YaRN's multiplier ``mscale`` (every token, the prefix too, as RoPE's tables)."""
+    times YaRN's multiplier ``mscale`` (every token, the prefix too, as RoPE's tables). With ``rotate_values`` the
+    values and attention's output are rotated too (by R and R^T, without ``mscale``)."""
 
-    def __init__(self, rotations: TokenRotations, num_prefix_tokens: int, mscale: float = 1.0) -> None:
+    def __init__(
+        self, rotations: TokenRotations, num_prefix_tokens: int, mscale: float = 1.0, rotate_values: bool = False
+    ) -> None:
         self.rotations, self.num_prefix_tokens, self.mscale = rotations, num_prefix_tokens, mscale
         self.num_tokens = num_prefix_tokens + rotations.num_tokens
+        self.values = rotate_values
+        self._stack: torch.Tensor | None = None  # every token's rotations, built once for v and o (with autograd)
 
     def rotate(self, qk: torch.Tensor) -> torch.Tensor:
         out = self._rotate_blocks(qk)
         return out if self.mscale == 1.0 else out * self.mscale
 
-    def _rotate_blocks(self, qk: torch.Tensor) -> torch.Tensor:
-        chunk, num_prefix_tokens, tokens = self.rotations, self.num_prefix_tokens, self.rotations.num_tokens
+    def rotate_values(self, v: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """R(p_j) v_j (``keep``: patch dropout's kept tokens, rotated on the full sequence and gathered back)."""
+        return self._value_rotation(v, keep, transpose=False) if self.values else v
+
+    def unrotate_output(self, o: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """R(p_i)^T o_i, the inverse rotation by the queries' positions."""
+        return self._value_rotation(o, keep, transpose=True) if self.values else o
+
+    def _value_rotation(self, x: torch.Tensor, keep: torch.Tensor | None, transpose: bool) -> torch.Tensor:
+        if x.ndim != 4:
+            raise ValueError(f"the values / attention output must be (B, num_heads, T, head_dim), got {tuple(x.shape)}")
+        if keep is None:
+            return self._rotate_blocks(x, transpose, cache=True)
+        full = self._rotate_blocks(scatter_tokens(x, keep, self.num_tokens), transpose, cache=True)
+        return gather_tokens(full, keep)
+
+    def _rotate_blocks(self, qk: torch.Tensor, transpose: bool = False, cache: bool = False) -> torch.Tensor:
+        """R x per block (R^T x with ``transpose``); ``cache``: keep every token's rotations for the next call."""
+        num_prefix_tokens, tokens = self.num_prefix_tokens, self.rotations.num_tokens
+
+        def chunk(start: int, stop: int) -> torch.Tensor:
+            rot = self.rotations(start, stop)
+            return rot.transpose(-1, -2) if transpose else rot
+
         if torch.is_grad_enabled():
-            return apply_block_rotation(qk, chunk(0, tokens), num_prefix_tokens)
+            if not cache:
+                return apply_block_rotation(qk, chunk(0, tokens), num_prefix_tokens)
+            if self._stack is None:
+                self._stack = self.rotations(0, tokens)
+            rot = self._stack.transpose(-1, -2) if transpose else self._stack
+            return apply_block_rotation(qk, rot, num_prefix_tokens)
         # no autograd: build and apply the rotations a chunk of tokens at a time, so the (h, N, m, b, b) stack of
         # the layer (and its fp64 series) never exists whole; the prefix is copied, not rotated by identities
         if qk.shape[-2] != num_prefix_tokens + tokens:  # let apply_block_rotation raise its shape error
@@ -98,10 +136,11 @@ class LieState(RotaryState):
     mscale: float = 1.0  #: YaRN's multiplier of the rotated q and k (every token, the prefix too, as RoPE's tables)
     depth: int | None = None
     scheme: str = "LieBlockRotary"
+    rotate_values: bool = False  #: rotary value embeddings: the blocks rotate v and o too
 
     def layer(self, index: int) -> BlockRotation:
         check_layer(index, self.depth, self.scheme)
-        return BlockRotation(self.plan(index), self.num_prefix_tokens, self.mscale)
+        return BlockRotation(self.plan(index), self.num_prefix_tokens, self.mscale, self.rotate_values)
 
 
 class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
@@ -124,9 +163,11 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
         ndim: int,
         grid_size: Sequence[int] | None,
         extrapolation: str,
+        rotate_values: bool = False,
     ) -> None:
         super().__init__()
         head_dim = check_model_shape(dim, num_heads, depth)
+        self.rotate_values = check_bool(rotate_values, "rotate_values")
         if not is_int(block_size) or block_size < 2 or head_dim % block_size:
             raise ValueError(f"block_size must be >= 2 and divide head_dim={head_dim}, got block_size={block_size}")
         if ndim not in (2, 3):
@@ -170,12 +211,13 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
         prefix = self.prefix_coords(num_prefix_tokens, coords) if num_prefix_tokens else None
         if prefix is not None:
             coords, num_prefix_tokens = torch.cat((prefix, coords)), 0
-        name = type(self).__name__
+        name, values = type(self).__name__, self.rotate_values
         if factors is None:
-            return LieState(coords, num_prefix_tokens, self.rotation_plan(coords), 1.0, self.depth, name)
+            return LieState(coords, num_prefix_tokens, self.rotation_plan(coords), 1.0, self.depth, name, values)
         # NTK / YaRN: the generators' frequencies are rescaled (schemes whose generators have them)
         mscale = yarn_attention_factor(factors) if self.extrapolation == "yarn" else 1.0
-        return LieState(coords, num_prefix_tokens, self.rotation_plan(coords, factors), mscale, self.depth, name)
+        plan = self.rotation_plan(coords, factors)
+        return LieState(coords, num_prefix_tokens, plan, mscale, self.depth, name, values)
 
     def rotations(self, coords: torch.Tensor, layer: int) -> torch.Tensor:
         """(num_heads | 1, N, num_blocks, b, b) fp32 rotations of block ``layer`` at ``coords`` (N, ndim)."""

@@ -37,6 +37,9 @@ class LieRE(LieBlockRotary):
         grid_size: training grid (the model passes it).
         extrapolation: ``none`` or ``pi`` (positions divided by test / train grid per axis); with ``block_size=2``
             (RoPE-Mixed with learned rates) also ``ntk`` and ``yarn``.
+        rotate_values: rotary value embeddings (RoVE): v_j -> R(p_j) v_j and o_i -> R(p_i)^T o_i
+            (:mod:`visionpe.rotary.lie_base`); only approximately relative for b >= 3 (the generators do not
+            commute). False by default.
 
     Parameters: depth * num_heads * ndim * (head_dim / b) * b (b - 1) / 2.
     """
@@ -51,8 +54,9 @@ class LieRE(LieBlockRotary):
         init_scale: float | None = None,
         grid_size: Sequence[int] | None = None,
         extrapolation: str = "none",
+        rotate_values: bool = False,
     ) -> None:
-        super().__init__(dim, num_heads, depth, block_size, ndim, grid_size, extrapolation)
+        super().__init__(dim, num_heads, depth, block_size, ndim, grid_size, extrapolation, rotate_values)
         if init_scale is None:
             side = max(grid_size) if grid_size is not None else 14
             init_scale = 2 * math.pi / max(side - 1, 1)

@@ -34,6 +34,8 @@ class RopeAxial(LinearRotary):
         extrapolation: ``none`` (default), ``pi``, ``ntk`` or ``yarn`` scaling at a larger grid
             (:mod:`visionpe.rotary.scaling`).
         yarn_alpha, yarn_beta: YaRN ramp bounds.
+        rotate_values: rotary value embeddings (RoVE): rotate v by the keys' positions and attention's output back
+            by the queries' (:mod:`visionpe.rotary.base`); False by default.
     """
 
     def __init__(
@@ -49,8 +51,20 @@ class RopeAxial(LinearRotary):
         extrapolation: str = "none",
         yarn_alpha: float = 1.0,
         yarn_beta: float = 32.0,
+        rotate_values: bool = False,
     ) -> None:
-        super().__init__(dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta)
+        super().__init__(
+            dim,
+            num_heads,
+            depth,
+            ndim,
+            coord_mode,
+            grid_size,
+            extrapolation,
+            yarn_alpha,
+            yarn_beta,
+            rotate_values=rotate_values,
+        )
         axis_pairs = check_axis_pairs(default_axis_pairs(self.head_dim, ndim) if axis_pairs is None else axis_pairs)
         if len(axis_pairs) != ndim:
             raise ValueError(f"axis_pairs must have {ndim} entries for ndim={ndim}, got {tuple(axis_pairs)}")

@@ -48,6 +48,8 @@ class RopeMixed(LinearRotary):
         extrapolation: ``none`` (default), ``pi``, ``ntk`` or ``yarn``; each component f_{a,n} is scaled with its
             own axis wavelength 2 pi / |f_{a,n}| (see :mod:`visionpe.rotary.scaling`).
         yarn_alpha, yarn_beta: YaRN ramp bounds.
+        rotate_values: rotary value embeddings (RoVE): rotate v by the keys' positions and attention's output back
+            by the queries' (:mod:`visionpe.rotary.base`); False by default.
     """
 
     def __init__(
@@ -62,8 +64,20 @@ class RopeMixed(LinearRotary):
         extrapolation: str = "none",
         yarn_alpha: float = 1.0,
         yarn_beta: float = 32.0,
+        rotate_values: bool = False,
     ) -> None:
-        super().__init__(dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta)
+        super().__init__(
+            dim,
+            num_heads,
+            depth,
+            ndim,
+            coord_mode,
+            grid_size,
+            extrapolation,
+            yarn_alpha,
+            yarn_beta,
+            rotate_values=rotate_values,
+        )
         self.base = check_base(base)
         self.freqs = nn.Parameter(init_mixed_frequencies(self.head_dim, depth, num_heads, base, ndim))
 

@@ -6,6 +6,11 @@ ICML 2025): R(r) = RoPE(r) P with one orthogonal P per layer and head, shared by
 attention folds into the q/k projection, RGB-D positions (``depth_coords``), and :func:`fold_string_`.
 P multiplies every token, prefix tokens included (only RoPE skips them): that is what makes :func:`fold_string_`
 exact, since folding P into W_q and W_k transforms every token's q and k.
+
+Rotary value embeddings (``rotate_values=True``): v_j -> RoPE(r_j) P v_j and o_i -> P^T RoPE(r_i)^T o_i, so that
+o_i = sum_j a_ij P^T RoPE(r_j - r_i) P v_j = sum_j a_ij R(r_i)^T R(r_j) v_j. With R(r) = Q^T RoPE(r) P
+(Circulant-STRING's Q = F) the Q cancels as in the logits. :func:`fold_string_` folds P into W_v and P^T into the
+output projection as well.
 """
 
 from __future__ import annotations
@@ -35,17 +40,33 @@ def _times_basis(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
 
 
 class BasisRotation(LayerRotation):
-    """One block's STRING rotation: the basis change P on every token, then the RoPE tables (``inner``)."""
+    """One block's STRING rotation: the basis change P on every token, then the RoPE tables (``inner``).
 
-    def __init__(self, basis: torch.Tensor, inner: LayerRotation) -> None:
+    With ``rotate_values`` the values are rotated as q and k (RoPE(r_j) P v_j) and attention's output back
+    (P^T RoPE(r_i)^T o_i); the inner tables then carry the values' unit tables.
+    """
+
+    def __init__(self, basis: torch.Tensor, inner: LayerRotation, rotate_values: bool = False) -> None:
         self._basis, self.inner, self.num_tokens = basis, inner, inner.num_tokens
+        self.values = rotate_values
 
     @property
     def basis(self) -> torch.Tensor:
         return self._basis
 
     def without_basis(self) -> LayerRotation:
-        return self.inner
+        # P folded into the q/k projection for this forward: the values still need it
+        return ValueBasisRotation(self._basis, self.inner) if self.values else self.inner
+
+    def rotate_values(self, v: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.values:
+            return v
+        return self.inner.rotate_values(_times_basis(v, self._basis), keep)
+
+    def unrotate_output(self, o: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.values:
+            return o
+        return self.inner.unrotate_output(o, keep) @ self._basis.to(o.dtype)  # P^T o per token
 
     def rotate(self, qk: torch.Tensor) -> torch.Tensor:
         return self.inner.rotate(_times_basis(qk, self._basis))
@@ -55,16 +76,44 @@ class BasisRotation(LayerRotation):
         return self.inner.rotate_kept(_times_basis(qk, self._basis), keep)
 
 
+class ValueBasisRotation(BasisRotation):
+    """:class:`BasisRotation` once attention has folded P into the q/k projection for the forward: q and k get the
+    RoPE tables only, the values and the output still P (rotary value embeddings)."""
+
+    def __init__(self, basis: torch.Tensor, inner: LayerRotation) -> None:
+        super().__init__(basis, inner, rotate_values=True)
+
+    @property
+    def basis(self) -> None:
+        return None
+
+    def without_basis(self) -> LayerRotation:
+        return self
+
+    def rotate(self, qk: torch.Tensor) -> torch.Tensor:
+        return self.inner.rotate(qk)
+
+    def rotate_kept(self, qk: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return self.inner.rotate_kept(qk, keep)
+
+    def rotate_qkv(
+        self, qkv: torch.Tensor, batch: int, num_heads: int, keep: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.inner.rotate_qkv(qkv, batch, num_heads, keep)
+
+
 class StringState(RotaryState):
     """STRING's per-forward state: the RoPE state and P of every layer (``basis``: (depth | 1, num_heads | 1,
-    head_dim, head_dim), None once folded into the projections)."""
+    head_dim, head_dim), None once folded into the projections; ``rotate_values``: the values are rotated too)."""
 
-    def __init__(self, rotary: RotaryState, basis: torch.Tensor | None) -> None:
-        self.rotary, self.basis = rotary, basis
+    def __init__(self, rotary: RotaryState, basis: torch.Tensor | None, rotate_values: bool = False) -> None:
+        self.rotary, self.basis, self.rotate_values = rotary, basis, rotate_values
 
     def layer(self, index: int) -> LayerRotation:
         inner = self.rotary.layer(index)
-        return inner if self.basis is None else BasisRotation(_layer_basis(self.basis, index), inner)
+        if self.basis is None:
+            return inner
+        return BasisRotation(_layer_basis(self.basis, index), inner, self.rotate_values)
 
 
 class StringBase(LinearRotary):
@@ -89,6 +138,7 @@ class StringBase(LinearRotary):
         yarn_alpha: float = 1.0,
         yarn_beta: float = 32.0,
         depth_coords: bool = False,
+        rotate_values: bool = False,
     ) -> None:
         check_bool(depth_coords, "depth_coords")
         if depth_coords:
@@ -102,7 +152,18 @@ class StringBase(LinearRotary):
                     f"{extrapolation!r}, coord_mode={coord_mode!r}"
                 )
             ndim, grid_size = 3, None
-        super().__init__(dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta)
+        super().__init__(
+            dim,
+            num_heads,
+            depth,
+            ndim,
+            coord_mode,
+            grid_size,
+            extrapolation,
+            yarn_alpha,
+            yarn_beta,
+            rotate_values=rotate_values,
+        )
         self.depth_coords = depth_coords
         if depth_coords:
             # the paper's learnable linear layer on the mean-pooled depth, starting at z = depth
@@ -189,7 +250,7 @@ class StringBase(LinearRotary):
                 f"got coords of shape {tuple(coords.shape)} (a model passes them when called with depth=...)"
             )
         rotary = super().prepare(coords, num_prefix_tokens, grid_size)
-        return StringState(rotary, None if self.is_folded else self.string_basis())
+        return StringState(rotary, None if self.is_folded else self.string_basis(), self.rotate_values)
 
     @property
     def extra_inputs(self) -> tuple[str, ...]:
@@ -218,10 +279,13 @@ def fold_string_(model: nn.Module) -> nn.Module:
     """Fold every STRING scheme's orthogonal P into the q and k projections of ``model``, in place.
 
     W_q -> P W_q and W_k -> P W_k per head (biases alike); the schemes then apply RoPE only, so inference
-    costs what RoPE costs and the outputs are unchanged (to fp32 rounding). Returns ``model``.
+    costs what RoPE costs and the outputs are unchanged (to fp32 rounding). With rotary value embeddings
+    (``rotate_values=True``) W_v -> P W_v too and the output projection's columns of each head W_o -> W_o P^T.
+    Returns ``model``.
 
     Raises ValueError when the model has no STRING scheme, is already folded, or normalises q/k after the
-    projection (qk_norm): P would then no longer commute with the normalisation.
+    projection (qk_norm): P would then no longer commute with the normalisation; with ``rotate_values``, also when
+    attention normalises or gates its output before the projection (P^T would not commute either).
     """
     from ..attention import PosAttention
 
@@ -238,21 +302,44 @@ def fold_string_(model: nn.Module) -> nn.Module:
     attentions = [m for m in model.modules() if isinstance(m, PosAttention)]
     if not attentions:
         raise ValueError(f"{type(model).__name__} has no PosAttention whose q/k projections could take P")
+    for attn in attentions:  # every check before any weight changes
+        if not (isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)):
+            raise ValueError("fold_string_ needs q/k without normalisation (qk_norm=False): P does not commute")
+        heads, head_dim = attn.num_heads, attn.head_dim
+        if (heads, head_dim) != (scheme.num_heads, scheme.head_dim):
+            raise ValueError(
+                f"attention has {heads} heads of {head_dim} channels, the scheme {scheme.num_heads} of "
+                f"{scheme.head_dim}"
+            )
+        if scheme.rotate_values and not (isinstance(attn.norm, nn.Identity) and attn.gate is None):
+            raise ValueError(
+                "fold_string_ with rotate_values=True needs attention without an output norm or gate "
+                "(scale_norm=False, no gate): P^T does not commute with them"
+            )
     with torch.no_grad():
         basis = scheme.string_basis()
         for attn in attentions:
-            if not (isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity)):
-                raise ValueError("fold_string_ needs q/k without normalisation (qk_norm=False): P does not commute")
-            heads, head_dim = attn.num_heads, attn.head_dim
-            if (heads, head_dim) != (scheme.num_heads, scheme.head_dim):
-                raise ValueError(
-                    f"attention has {heads} heads of {head_dim} channels, the scheme {scheme.num_heads} of "
-                    f"{scheme.head_dim}"
-                )
-            weight, bias = attn.fold_qk_basis(_layer_basis(basis, attn.layer))
+            layer_basis = _layer_basis(basis, attn.layer)
+            weight, bias = attn.fold_qk_basis(layer_basis)
             attn.qkv.weight.copy_(weight)
             if bias is not None:
                 attn.qkv.bias.copy_(bias)
+            if scheme.rotate_values:
+                _fold_value_basis(attn, layer_basis)
         scheme.folded.fill_(True)
         scheme.is_folded = True
     return model
+
+
+def _fold_value_basis(attn: nn.Module, basis: torch.Tensor) -> None:
+    """W_v -> P W_v (bias alike) and the output projection's columns of each head W_o -> W_o P^T, in place:
+    rotary value embeddings' P v and P^T o moved into the weights (``basis``: (num_heads | 1, d, d))."""
+    heads, head_dim = attn.num_heads, attn.head_dim
+    weight, bias, proj = attn.qkv.weight, attn.qkv.bias, attn.proj.weight
+    basis = basis.to(weight.dtype).expand(heads, head_dim, head_dim)
+    v_rows = slice(2 * heads * head_dim, 3 * heads * head_dim)
+    weight[v_rows] = (basis @ weight[v_rows].view(heads, head_dim, -1)).flatten(0, 1)
+    if bias is not None:
+        bias[v_rows] = (basis @ bias[v_rows].view(heads, head_dim, 1)).flatten()
+    columns = proj.view(proj.shape[0], heads, head_dim)
+    proj.copy_(torch.einsum("ohe,hfe->ohf", columns, basis.to(proj.dtype)).flatten(1))

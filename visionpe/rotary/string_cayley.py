@@ -54,6 +54,8 @@ class StringCayley(StringBase):
         depth_coords: RGB-D: on a 2D image grid, rotate by r = (z, y, x) with z a learned linear
             function of each patch's mean depth (:meth:`~StringBase.depth_positions`); the model then takes
             ``depth=`` (B, 1, H, W). Needs ``ndim=2`` (the model's) and ``extrapolation='none'``.
+        rotate_values: rotary value embeddings (RoVE): v_j -> R(r_j) v_j before attention and o_i -> R(r_i)^T o_i
+            after it (:mod:`visionpe.rotary.string_base`); False by default.
     """
 
     def __init__(
@@ -70,9 +72,20 @@ class StringCayley(StringBase):
         yarn_alpha: float = 1.0,
         yarn_beta: float = 32.0,
         depth_coords: bool = False,
+        rotate_values: bool = False,
     ) -> None:
         super().__init__(
-            dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta, depth_coords
+            dim,
+            num_heads,
+            depth,
+            ndim,
+            coord_mode,
+            grid_size,
+            extrapolation,
+            yarn_alpha,
+            yarn_beta,
+            depth_coords,
+            rotate_values,
         )
         ndim = self.ndim  # 3 with depth_coords: (z, y, x)
         check_base(base)

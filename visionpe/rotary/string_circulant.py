@@ -93,6 +93,8 @@ class StringCirculant(StringBase):
         grid_size, extrapolation, yarn_alpha, yarn_beta: training grid and extrapolation scaling of phi.
         depth_coords: RGB-D positions (z, y, x) on a 2D image grid, as
             :class:`~visionpe.rotary.string_cayley.StringCayley`.
+        rotate_values: rotary value embeddings (RoVE): v_j -> R(r_j) v_j before attention and o_i -> R(r_i)^T o_i
+            after it (:mod:`visionpe.rotary.string_base`); False by default.
     """
 
     def __init__(
@@ -108,9 +110,20 @@ class StringCirculant(StringBase):
         yarn_alpha: float = 1.0,
         yarn_beta: float = 32.0,
         depth_coords: bool = False,
+        rotate_values: bool = False,
     ) -> None:
         super().__init__(
-            dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta, depth_coords
+            dim,
+            num_heads,
+            depth,
+            ndim,
+            coord_mode,
+            grid_size,
+            extrapolation,
+            yarn_alpha,
+            yarn_beta,
+            depth_coords,
+            rotate_values,
         )
         ndim = self.ndim  # 3 with depth_coords: (z, y, x)
         check_base(base)
