@@ -86,14 +86,21 @@ FAMILY_REPRESENTATIVES = sorted({_family(n): n for n in reversed(ALL_SCHEMES)}.v
 # - ONNX export: schemes whose model does not export to ONNX, with the reason (torch.export works for all).
 ONNX_FAILS = {
     # torch.onnx's decomposition of the biased attention fails on a view (torch 2.14) when the bias is computed from
-    # parameters (irpe, kerple_*, bam); alibi2d's and lookhere's fixed biases export. Strict xfails: a fix shows.
+    # parameters (irpe, kerple_*, bam); alibi2d's and lookhere's fixed biases export, and so do the schemes that write
+    # their bias into q and k (augments_qk: PaPE), which pass attention no bias. Strict xfails: a fix shows.
     **{
         name: "torch.onnx fails to decompose the attention with a bias computed from parameters; torch.export works"
         for name in BIAS
-        if learns_parameters(name)
+        if learns_parameters(name) and not scheme_class(name).augments_qk
     },
     "string_cayley": "torch.linalg.solve_ex (the Cayley transform) has no ONNX translation; fold_string_ first",
     "harope": "torch.linalg.matrix_exp (its U and V) has no ONNX translation; fold_harope_ first",
+}
+# - patch dropout: schemes whose bias of a pair reads tokens other than the two of the pair. The dropped patches'
+#   content never reaches the patch-dropped model, so its kept tokens cannot equal the full grid's with the dropped
+#   keys masked (which still read it).
+PATCH_DROP_DIFFERS = {
+    "cable": "Cable sums the steps read from every patch between the pair, dropped patches included",
 }
 # - torch.compile with dynamic shapes: schemes that recompile (cleanly) for every new grid instead of running all
 #   grids on one graph. LieRE and ComRoPE read their squaring count (set by the largest coordinate and the

@@ -18,6 +18,8 @@ from ..conftest import BIAS
 def _attention(scheme, state, q, k, v, layer, rows=None):
     q_rows = q if rows is None else q[:, :, rows]
     kwargs = {} if rows is None else {"rows": rows}
+    if scheme.needs_tokens:  # biases read from the block's tokens (B, N, C): any fixed tensor of that shape
+        kwargs["tokens"] = q.transpose(1, 2).flatten(2)
     bias = scheme.attn_bias(q_rows, k, state, layer, **kwargs)
     if not scheme.needs_probs:
         return F.scaled_dot_product_attention(q_rows, k, v, attn_mask=bias.expand(q.shape[0], -1, -1, -1))

@@ -12,12 +12,21 @@ import torch
 import visionpe  # noqa: F401 - registers the visionpe_vit_* models with timm
 from visionpe.rotary.base import LinearRotary
 
-from ..conftest import IN_ATTENTION, ROTARY, scheme_class
+from ..conftest import IN_ATTENTION, PATCH_DROP_DIFFERS, ROTARY, scheme_class
 from ..model_checks import random_keep
 
 SMALL = dict(embed_dim=64, depth=2, num_heads=2, num_classes=5, img_size=(48, 80))
 # every registered rotary and bias scheme (absolute schemes act before the blocks), and two combinations
-SCHEMES = [*IN_ATTENTION, ["learned", "rope_mixed"], ["rope_axial", "alibi2d"]]
+SCHEMES = [
+    *(
+        pytest.param(n, marks=pytest.mark.xfail(reason=PATCH_DROP_DIFFERS[n], strict=True))
+        if n in PATCH_DROP_DIFFERS
+        else n
+        for n in IN_ATTENTION
+    ),
+    ["learned", "rope_mixed"],
+    ["rope_axial", "alibi2d"],
+]
 # the rotary schemes whose rotation is a cos/sin table per token (LinearRotary): rotate_kept gathers the tables
 TABLE_SCHEMES = [n for n in ROTARY if issubclass(scheme_class(n), LinearRotary)]
 OPTIONS = {"irpe": {"on": "qkv", "shared_heads": False}}  # the value term too (explicit attention)

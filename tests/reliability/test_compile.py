@@ -48,7 +48,13 @@ def _scheme_call(name):
     if scheme.kind == "bias":
 
         def fn(q, grid):
-            bias = scheme.attn_bias(q, q, scheme.prepare(grid, 1, q.device), 1)
+            state = scheme.prepare(grid, 1, q.device)
+            # biases read from the block's tokens (B, N, C) get q's channels as tokens
+            tokens = {"tokens": q.transpose(1, 2).flatten(2)} if scheme.needs_tokens else {}
+            if scheme.augments_qk:  # the bias as extra q/k channels, at the scale of the original heads
+                q_aug, k_aug = scheme.augment_qk(q, q, state, 1, **tokens)
+                return F.scaled_dot_product_attention(q_aug, k_aug, q, scale=q.shape[-1] ** -0.5)
+            bias = scheme.attn_bias(q, q, state, 1, **tokens)
             return F.scaled_dot_product_attention(q, q, q, attn_mask=bias.to(q.dtype))
 
         return scheme, fn, lambda grid: torch.randn(2, 2, 1 + grid[0] * grid[1], 16)

@@ -10,9 +10,12 @@ from .helpers import ALL_SCHEMES, tiny_vit
 
 
 def _train(name: str, seed: int, steps: int = 3, deterministic: bool = False, autocast: bool = False) -> dict:
-    """A one-block ViT with dropout, drop path and a register token, AdamW on random data; its final weights."""
+    """A one-block ViT with dropout, drop path and a register token, AdamW on random data; its final weights. The
+    patch tokens are pooled: a bias scheme's cls row is zero, so in one block only they carry its gradient."""
     torch.manual_seed(seed)
-    model = tiny_vit(name, drop_rate=0.1, drop_path_rate=0.1, reg_tokens=1, dynamic_img_size=True).train()
+    model = tiny_vit(
+        name, drop_rate=0.1, drop_path_rate=0.1, reg_tokens=1, dynamic_img_size=True, global_pool="avg"
+    ).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(seed)
     previous = torch.are_deterministic_algorithms_enabled()
@@ -34,7 +37,7 @@ def _train(name: str, seed: int, steps: int = 3, deterministic: bool = False, au
 
 def _init(name: str, seed: int) -> dict:
     torch.manual_seed(seed)
-    model = tiny_vit(name, drop_rate=0.1, drop_path_rate=0.1, reg_tokens=1, dynamic_img_size=True)
+    model = tiny_vit(name, drop_rate=0.1, drop_path_rate=0.1, reg_tokens=1, dynamic_img_size=True, global_pool="avg")
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -123,6 +123,14 @@ def test_no_nan_or_inf_on_video_grids(name):
         if scheme.kind == "rotary":
             qk = torch.randn(2, 1, 2, 16 * 14 * 14, 32, dtype=torch.bfloat16)
             out = scheme.apply(qk, scheme.prepare(scheme.coords(grid), 0, grid_size=grid), 0)
+        elif scheme.kind == "bias":
+            q = torch.randn(1, 2, 16 * 14 * 14, 32, dtype=torch.bfloat16)
+            tokens = {"tokens": torch.randn(1, 16 * 14 * 14, 64, dtype=torch.bfloat16)} if scheme.needs_tokens else {}
+            state = scheme.prepare(grid, 0)
+            if scheme.augments_qk:  # the bias as extra q/k channels
+                out = torch.cat(scheme.augment_qk(q, q, state, 0, **tokens), -1)
+            else:
+                out = scheme.attn_bias(q, q, state, 0, **tokens)
         else:
             out = scheme(torch.randn(1, 16 * 14 * 14, 64, dtype=torch.bfloat16), grid, 0)
     assert torch.isfinite(out).all()
