@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -152,6 +154,15 @@ class PositionEncoding(nn.Module):
         :meth:`RotaryPositionEncoding.model_coords` by name (e.g. ``("patch_depth",)``, each patch's mean depth,
         for STRING with ``depth_coords=True``). Empty by default."""
         return ()
+
+    #: weight of each term of :meth:`auxiliary_losses` by name in the training loss (a name not listed: 1)
+    auxiliary_loss_weights: Mapping[str, float] = MappingProxyType({})
+
+    def auxiliary_losses(self, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """Training losses of the scheme's own, by name (e.g. SeqPE's ``seqpe_ct``), unweighted: the trainer
+        (:class:`visionpe.training.Classifier`) adds each times its :attr:`auxiliary_loss_weights` entry to the task
+        loss in training steps. ``generator`` drives the sampling they draw. Empty by default."""
+        return {}
 
     def modules_after_blocks(self) -> dict[str, int]:
         """{submodule name: block index} for submodules that run after one particular block (CPE's PEG after

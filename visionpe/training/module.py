@@ -101,6 +101,9 @@ class Classifier(L.LightningModule):
     a run bounded by ``trainer.max_steps`` ends its cosine at ``max_steps``. Clips get cutmix boxes in (H, W), the
     same box on every frame. Validation and test keep one accuracy per dataloader; with several (the data modules'
     ``test_dataloader``: one per eval size), they are logged as ``test/acc@<size><unit>``, e.g. ``test/acc@48px``.
+    Position schemes with training losses of their own (SeqPE's contrastive and transfer terms) add them to the task
+    loss in training steps, each times its weight (:meth:`auxiliary_losses`), logged as ``train/<name>``;
+    ``train/loss`` is the total.
     """
 
     def __init__(
@@ -166,8 +169,25 @@ class Classifier(L.LightningModule):
         else:
             loss = F.cross_entropy(self(images), targets, label_smoothing=self.hparams.label_smoothing)
         log = {"on_step": True, "on_epoch": True, "batch_size": len(images), "sync_dist": True}
+        for name, (weight, term) in self.auxiliary_losses().items():
+            loss = loss + weight * term
+            self.log(f"train/{name}", term, **log)
         self.log("train/loss", loss, prog_bar=True, **log)
         return loss
+
+    def auxiliary_losses(self) -> dict[str, tuple[float, torch.Tensor]]:
+        """{name: (weight, unweighted term)} of every position scheme's training losses
+        (:meth:`~visionpe.base.PositionEncoding.auxiliary_losses`, e.g. SeqPE's contrastive and transfer terms),
+        which :meth:`training_step` adds to the task loss times their weights and logs as ``train/<name>``. Empty for
+        models without position schemes (timm's own) and for schemes without such losses."""
+        terms: dict[str, tuple[float, torch.Tensor]] = {}
+        for key, scheme in getattr(self.model, "pos_schemes", {}).items():
+            if not hasattr(scheme, "auxiliary_losses"):
+                continue
+            weights = getattr(scheme, "auxiliary_loss_weights", {})
+            for name, term in scheme.auxiliary_losses().items():
+                terms[f"{key}/{name}" if name in terms else name] = (float(weights.get(name, 1.0)), term)
+        return terms
 
     def _mix(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """timm's Mixup; a clip (B, C, T, H, W) is mixed as (B, C T, H, W), so that cutmix cuts one (H, W) box
