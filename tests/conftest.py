@@ -11,6 +11,7 @@ Capabilities a scheme class does not declare are kept as small exception lists h
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import pytest
@@ -125,6 +126,38 @@ def pytest_itemcollected(item):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# - schemes whose training forward is random by design declare the options that make it deterministic
+#   (``deterministic_options``: SeqPE's dropout in its PE network and its shift augmentation). The generic tests
+#   compare forwards of a scheme in training mode without reseeding (compiled with eager, patch dropout with the
+#   full grid, autocast with fp32), so a generic test of such a scheme (one parametrized by its name) builds it with
+#   those options by default; the scheme's own tests cover the random parts.
+DETERMINISTIC_OPTIONS = {
+    name: dict(scheme_class(name).deterministic_options)
+    for name in ALL_SCHEMES
+    if getattr(scheme_class(name), "deterministic_options", None)
+}
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_training(request, monkeypatch):
+    params = getattr(getattr(request.node, "callspec", None), "params", {}).values()
+    values = [n for v in params for n in (v if isinstance(v, (list, tuple)) else [v])]
+    names = {n for n in values if isinstance(n, str)}
+    for name in names & DETERMINISTIC_OPTIONS.keys():
+        cls = scheme_class(name)
+        monkeypatch.setattr(cls, "__init__", _with_defaults(cls.__init__, DETERMINISTIC_OPTIONS[name]))
+
+
+def _with_defaults(init, defaults: dict):
+    """``init`` with ``defaults`` as keyword defaults (explicit keywords still win); the signature is ``init``'s."""
+
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        init(self, *args, **{**defaults, **kwargs})
+
+    return wrapped
 
 
 def pytest_unconfigure(config):

@@ -29,7 +29,8 @@ def test_unknown_option_and_bad_dims():
 
 # Position parameters that keep weight decay: CPE's conv kernels (CPVT excludes only their biases), the MLP of
 # the learnable Fourier features and of FIRE (ordinary layers; only the frequencies W_r, and FIRE's c and threshold,
-# are excluded), and the linear maps from the block's tokens of PaPE, PaPE-RI and Cable (ordinary layers, as q/k/v).
+# are excluded), the linear maps from the block's tokens of PaPE, PaPE-RI and Cable (ordinary layers, as q/k/v), and
+# SeqPE's per-block Linear(C, 2C) from its position vectors to the q/k multipliers (part of the ViT in the reference).
 DECAYED_POSITION_PARAMETERS = {
     "cpe": {"pegs.0.proj.weight"},
     "fourier": {"encoder.mlp.0.weight", "encoder.mlp.2.weight"},
@@ -37,6 +38,7 @@ DECAYED_POSITION_PARAMETERS = {
     "pape": {"ab"},
     "pape_ri": {"curvature"},
     "cable": {"weight"},
+    "seqpe": {"qk_weight"},
 }
 
 
