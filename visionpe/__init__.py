@@ -12,6 +12,7 @@ from .integrations import timm as _timm_models  # noqa: F401  (registers the tim
 from .models.convert import LoadReport, convert_timm_state_dict, load_timm_state_dict
 from .models.vit import VisionPEViT
 from .registry import create_pos_embed, list_schemes, register_scheme
+from .rotary.harope import fold_harope_
 from .rotary.scaling import set_extrapolation
 from .rotary.state import LayerRotation, RotaryState
 from .rotary.string_base import fold_string_
@@ -41,5 +42,6 @@ __all__ = [
     "CoordAugment",
     "set_coord_augment",
     "fold_string_",
+    "fold_harope_",
     "irpe_piecewise_index",
 ]
