@@ -209,7 +209,7 @@ def test_model_switch_is_all_or_none():
     with pytest.raises(ValueError, match="comrope_ld: extrapolation='ntk' with pos_norm='test_grid' would scale"):
         set_extrapolation(model, "ntk")
     assert [s.extrapolation for s in model.pos_schemes.values()] == ["none", "none"]
-    assert model.pos_schemes["rope_axial"].accepted_extrapolation() == ("none", "pi", "ntk", "yarn")
+    assert model.pos_schemes["rope_axial"].accepted_extrapolation() == ("none", "pi", "ntk", "yarn", "riflex")
     assert model.pos_schemes["comrope_ld"].accepted_extrapolation() == ("none",)
 
 

@@ -26,7 +26,7 @@ from ..base import RotaryPositionEncoding, check_layer, check_model_shape
 from ..checks import check_bool
 from ..grid import COORD_MODES
 from .functional import apply_rotary, rotary_angles, rotary_tables, rotate_qkv_pairs_
-from .scaling import Extrapolation, scale_frequencies, yarn_attention_factor
+from .scaling import Extrapolation
 from .state import IdentityRotation, LayerRotation, RotaryState
 
 __all__ = ["LinearRotary", "LayerAngles", "TableState", "TableRotation"]
@@ -229,15 +229,9 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
         """(depth | 1, num_heads | 1, ndim, head_dim // 2) frequencies, rows in coordinate order."""
 
     def scaled_frequencies(self, grid_size: Sequence[int] | None = None) -> tuple[torch.Tensor, float]:
-        """Frequencies for ``grid_size`` under the extrapolation mode, and the cos/sin multiplier (YaRN)."""
-        freqs = self.frequencies()
-        factors = self.scale_factors(grid_size)
-        if factors is None:
-            return freqs, 1.0
-        freqs = scale_frequencies(
-            freqs, factors, self.extrapolation, self.train_grid_size, self.yarn_alpha, self.yarn_beta
-        )
-        return freqs, yarn_attention_factor(factors) if self.extrapolation == "yarn" else 1.0
+        """Frequencies for ``grid_size`` under the extrapolation mode (and the band multiplier, when set), and the
+        cos/sin multiplier (YaRN): :meth:`~visionpe.rotary.scaling.Extrapolation.adjust_frequencies`."""
+        return self.adjust_frequencies(self.frequencies(), grid_size)
 
     def prepare(
         self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None

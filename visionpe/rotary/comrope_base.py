@@ -16,7 +16,7 @@ from ..checks import check_bool, check_float
 from ..grid import grid_coords, validate_count
 from .block_rotation import TokenRotations
 from .lie_base import LieBlockRotary
-from .scaling import EXTRAPOLATION_MODES
+from .scaling import SCALING_MODES
 
 __all__ = ["ComRoPEBase", "POS_NORMS", "distinct_values"]
 
@@ -39,7 +39,7 @@ class ComRoPEBase(LieBlockRotary):
     generators from the blocks P in :meth:`init_generators`."""
 
     _scales_own_coords = True
-    supported_extrapolation = EXTRAPOLATION_MODES  # the blocks' eigenfrequencies (axis_skew_blocks)
+    supported_extrapolation = SCALING_MODES  # the blocks' eigenfrequencies (axis_skew_blocks)
     # exact relative property to 1e-5: each squaring doubles the error before it, so exponentials run in fp64
     # (cheap here: one per distinct coordinate value)
     series_dtype = torch.float64

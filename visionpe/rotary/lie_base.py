@@ -36,7 +36,7 @@ from ..checks import check_bool, is_int
 from ..tokens import gather_tokens, scatter_tokens
 from .block_rotation import TokenRotations, apply_block_rotation
 from .expm import LayerExponentials, block_skew_expm
-from .scaling import EXTRAPOLATION_MODES, Extrapolation, yarn_attention_factor
+from .scaling import SCALING_MODES, Extrapolation, yarn_attention_factor
 from .state import IdentityRotation, LayerRotation, RotaryState
 
 __all__ = ["LieBlockRotary", "LieState", "BlockRotation"]
@@ -149,7 +149,7 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
     @property
     def supported_extrapolation(self) -> tuple[str, ...]:
         """PI always; NTK and YaRN with 2 x 2 blocks, whose rates are frequencies (:meth:`scaled_generators`)."""
-        return EXTRAPOLATION_MODES if self.block_size == 2 else ("none", "pi")
+        return SCALING_MODES if self.block_size == 2 else ("none", "pi")
 
     #: working precision of the default per-token exponential (:meth:`rotations`); the result is fp32 either way
     series_dtype: torch.dtype = torch.float32

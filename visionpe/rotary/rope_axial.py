@@ -38,6 +38,8 @@ class RopeAxial(LinearRotary):
             by the queries' (:mod:`visionpe.rotary.base`); False by default.
     """
 
+    axial_spectrum = True  # each pair turns with one axis: RIFLEx's bands (extrapolation="riflex", .scaling)
+
     def __init__(
         self,
         dim: int,

@@ -15,6 +15,18 @@ Train on grid (H0, W0), test on (H, W): per-axis factors s_a = max(1, n_a / n0_a
 - YaRN, Peng et al., "YaRN: Efficient Context Window Extension of Large Language Models", ICLR 2024:
   r = L_a * theta / (2 pi) with L_a the training grid length, gamma = clamp((r - alpha) / (beta - alpha), 0, 1),
   theta' = (1 - gamma) theta / s_a + gamma theta, and cos/sin multiplied by 0.1 ln s + 1 (s = max_a s_a).
+- RIFLEx, Zhao et al., "RIFLEx: A Free Lunch for Length Extrapolation in Video Diffusion Transformers",
+  arXiv 2502.15894, 2025 (thu-ml/RIFLEx): one band per axis, not a scale. With theta_j = b^(-2(j-1)/d) (j 1-based,
+  fastest first) and periods N_j = round(2 pi / theta_j), the "intrinsic" band k is the one whose period is nearest
+  the length N at which a video starts to repeat (:func:`identify_k`). At a test length L > N_k only that band
+  changes, theta_k -> 0.9 * 2 pi / L, so that it stays within 90 % of one period over the L positions; every other
+  band is untouched (:func:`riflex_frequencies`). It needs an axial spectrum (each rotary pair turns with one axis:
+  ``axial_spectrum``, RoPE-Axial); k per axis is ``riflex_k``, by default [visionpe heuristic] the band whose period
+  is nearest the training length n0_a.
+
+Beside the modes, a scheme may hold a ``band_multiplier`` (a frequency multiplier per layer, head, axis and pair,
+none by default) that :meth:`Extrapolation.adjust_frequencies` applies after the mode: DoPE's band removal
+(:mod:`visionpe.rotary.dope`) sets it.
 
 Every rotary scheme of visionpe mixes in :class:`Extrapolation`; :func:`set_extrapolation` switches the mode of
 every rotary scheme of a model at evaluation time, without retraining.
@@ -29,18 +41,26 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from ..checks import check_float, check_int, is_int
 from ..grid import validate_grid_size
 
 __all__ = [
     "EXTRAPOLATION_MODES",
+    "SCALING_MODES",
     "Extrapolation",
     "axis_scale_factors",
+    "check_riflex_k",
+    "identify_k",
+    "riflex_frequencies",
     "scale_frequencies",
     "yarn_attention_factor",
     "set_extrapolation",
 ]
 
-EXTRAPOLATION_MODES = ("none", "pi", "ntk", "yarn")
+#: every evaluation-time mode: the per-axis scalings, then RIFLEx's single-band edit
+EXTRAPOLATION_MODES = ("none", "pi", "ntk", "yarn", "riflex")
+#: the modes that scale every frequency of an axis by its factor s_a: any set of frequencies takes them
+SCALING_MODES = ("none", "pi", "ntk", "yarn")
 
 
 def axis_scale_factors(grid_size: Sequence[int], train_grid_size: Sequence[int]) -> tuple[float, ...]:
@@ -61,6 +81,142 @@ def yarn_attention_factor(factors: Sequence[float]) -> float:
     return 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
 
 
+def identify_k(base: float, dim: int, n: int) -> tuple[int, int]:
+    """RIFLEx's intrinsic band of a RoPE axis: ``(k, N_k)``, the 1-based band whose period is nearest ``n``.
+
+    theta_j = base^(-2(j-1)/dim) for j = 1..dim/2 and N_j = round(2 pi / theta_j) (Python's rounding, half to even);
+    k = argmin_j |N_j - n|, the fastest band on a tie (RIFLEx's ``identify_k``).
+
+    Args:
+        base: the RoPE base b of the axis.
+        dim: the axis' rotary channels d (2 per pair, so dim/2 bands; 2 n_t for RoPE-Axial's t axis).
+        n: the length in positions at which the model repeats (the paper's N), or another reference length.
+
+    Example:
+        >>> identify_k(256, 16, 48)  # HunyuanVideo's time axis: periods 6, 13, 25, 50, 101, ...
+        (4, 50)
+    """
+    check_float(base, "base", min=0, min_open=True, expected="a positive finite number")
+    check_int(dim, "dim", min=2)
+    if dim % 2:
+        raise ValueError(f"dim must be even (2 channels per rotary pair), got {dim}")
+    check_int(n, "n", min=1)
+    thetas = [1.0 / float(base) ** (2 * (j - 1) / dim) for j in range(1, dim // 2 + 1)]
+    periods = [round(2 * math.pi / theta) for theta in thetas]
+    diffs = [abs(period - n) for period in periods]
+    k = diffs.index(min(diffs)) + 1
+    return k, periods[k - 1]
+
+
+def check_riflex_k(riflex_k: int | Sequence[int | None] | None, ndim: int) -> tuple[int | None, ...]:
+    """``riflex_k`` as one entry per coordinate axis ((y, x) or (t, y, x)): a 1-based band, 0 (leave the axis
+    alone) or None (the band whose period is nearest the training length).
+
+    None gives None on every axis; one int k >= 1 the same band on every axis; a sequence has ``ndim`` entries.
+
+    Example:
+        >>> check_riflex_k((4, 0, 0), 3), check_riflex_k(None, 2), check_riflex_k(3, 2)
+        ((4, 0, 0), (None, None), (3, 3))
+    """
+    check_int(ndim, "ndim", min=1)
+    if riflex_k is None:
+        return (None,) * ndim
+    if is_int(riflex_k):
+        return (check_int(riflex_k, "riflex_k", min=1, expected="a band index >= 1 (1 = the fastest band)"),) * ndim
+    if isinstance(riflex_k, torch.Tensor) or type(riflex_k).__module__ == "numpy":
+        riflex_k = riflex_k.tolist()
+    if not isinstance(riflex_k, (tuple, list)):
+        raise TypeError(
+            f"riflex_k must be None, an int >= 1 or a sequence of {ndim} entries (int >= 0 or None), "
+            f"got {type(riflex_k).__name__} ({riflex_k!r})"
+        )
+    if len(riflex_k) != ndim:
+        raise ValueError(
+            f"riflex_k must have one entry per coordinate axis ({ndim}, in the order of grid_size), "
+            f"got {len(riflex_k)}: {tuple(riflex_k)}"
+        )
+    expected = "None, 0 (axis left alone) or a band index >= 1"
+    return tuple(
+        None if k is None else check_int(k, f"riflex_k[{a}]", min=0, expected=expected) for a, k in enumerate(riflex_k)
+    )
+
+
+def riflex_frequencies(
+    freqs: torch.Tensor,
+    grid_size: Sequence[int],
+    train_grid_size: Sequence[int],
+    riflex_k: int | Sequence[int | None] | None = None,
+) -> torch.Tensor:
+    """RIFLEx on an axial frequency matrix: per axis, only band k_a changes, and only on an axis longer than both its
+    training length and N_k.
+
+    Along axis a the pairs that read it are its bands, numbered 1, 2, ... from the fastest (RIFLEx's j), with
+    periods N_j = round(2 pi / |theta_j|). k_a is ``riflex_k[a]`` or, for None, [visionpe heuristic] the band whose
+    period is nearest the training length n0_a (the fastest on a tie). When L = ``grid_size[a]`` exceeds N_k,
+    theta_k -> 0.9 * 2 pi / L (its sign kept); nothing else changes. [visionpe] An axis no longer than its training
+    length is never edited, as no scaling mode edits it: in the paper's setting N_k is beyond the training length,
+    where both rules agree; the heuristic can pick N_k below it.
+
+    Args:
+        freqs: (..., ndim, P) frequencies with at most one non-zero entry per pair (column): an axial spectrum.
+        grid_size: the test grid (ndim entries); its lengths are RIFLEx's L_test.
+        train_grid_size: the training grid (ndim entries).
+        riflex_k: see :func:`check_riflex_k`; a given band must exist on its axis.
+
+    Returns:
+        (..., ndim, P) float32 tensor (float64 when ``freqs`` is float64); each (..., axis) row is edited on its own.
+
+    Example:
+        >>> f = torch.tensor([[1.0, 0.5, 0.25, 0.125]])  # one axis, periods 6, 13, 25, 50
+        >>> riflex_frequencies(f, (30,), (20,))  # k = 3 (period 25, nearest 20): 0.9 * 2 pi / 30
+        tensor([[1.0000, 0.5000, 0.1885, 0.1250]])
+    """
+    if not isinstance(freqs, torch.Tensor) or freqs.ndim < 2 or not freqs.is_floating_point():
+        raise ValueError(
+            f"freqs must be a floating-point (..., ndim, P) tensor, got {getattr(freqs, 'shape', type(freqs))}"
+        )
+    ndim = freqs.shape[-2]
+    grid_size = validate_grid_size(grid_size, ndims=(ndim,))
+    train_grid_size = validate_grid_size(train_grid_size, "train_grid_size", ndims=(ndim,))
+    ks = check_riflex_k(riflex_k, ndim)
+    freqs = freqs if freqs.dtype == torch.float64 else freqs.float()
+    if bool(((freqs != 0).sum(-2) > 1).any()):
+        raise ValueError(
+            "riflex needs an axial spectrum (each rotary pair turning with one coordinate axis), but a pair of freqs "
+            "has non-zero frequencies on several axes"
+        )
+    rows = list(freqs.unbind(-2))
+    pairs = freqs.shape[-1]
+    index = torch.arange(pairs, device=freqs.device)
+    for axis, (n, n0, k) in enumerate(zip(grid_size, train_grid_size, ks, strict=True)):
+        if k == 0 or n <= n0:
+            continue
+        f = rows[axis]
+        mag = f.detach().double().abs()
+        used = mag > 0
+        # band number of each pair along the axis: 1 + the pairs of the axis that turn faster (ties: pair order)
+        faster = (mag[..., None, :] > mag[..., :, None]) | (
+            (mag[..., None, :] == mag[..., :, None]) & (index[None, :] < index[:, None])
+        )
+        band = 1 + (faster & used[..., None, :]).sum(-1)
+        periods = torch.round(2 * math.pi / torch.where(used, mag, 1.0))
+        if k is None:
+            distance = torch.where(used, (periods - n0).abs(), math.inf)
+            # nearest period first, then the fastest band (the lower band number)
+            chosen = (distance * (pairs + 1) + band).argmin(-1, keepdim=True)
+            selected = (index == chosen) & used
+        else:
+            bands = int(used.sum(-1).min()) if used.numel() else 0
+            if k > bands:
+                raise ValueError(f"riflex_k[{axis}] must be a band of axis {axis}, which has {bands} bands, got {k}")
+            selected = used & (band == k)
+        period_k = (periods * selected).sum(-1, keepdim=True)
+        edit = selected & (n > period_k)
+        value = torch.sign(f) * (0.9 * 2 * math.pi / n)
+        rows[axis] = torch.where(edit, value, f)
+    return torch.stack(rows, dim=-2)
+
+
 def scale_frequencies(
     freqs: torch.Tensor,
     factors: Sequence[float],
@@ -68,6 +224,8 @@ def scale_frequencies(
     train_grid_size: Sequence[int] | None = None,
     alpha: float = 1.0,
     beta: float = 32.0,
+    *,
+    riflex_k: int | Sequence[int | None] | None = None,
 ) -> torch.Tensor:
     """Scale the frequency matrix of a rotary scheme whose angle is linear in position.
 
@@ -75,9 +233,11 @@ def scale_frequencies(
         freqs: (..., ndim, P) frequencies; row a holds the rate of every pair along coordinate axis a
             (zero where a pair ignores the axis; zeros stay zero).
         factors: ndim per-axis factors s_a (see :func:`axis_scale_factors`).
-        mode: ``none``, ``pi``, ``ntk`` or ``yarn``.
-        train_grid_size: training grid (ndim entries), needed by ``yarn`` for L_a.
+        mode: one of :data:`EXTRAPOLATION_MODES`.
+        train_grid_size: training grid (ndim entries), needed by ``yarn`` for L_a and by ``riflex`` (whose test
+            lengths are s_a * n0_a).
         alpha, beta: YaRN ramp bounds on r = L_a * theta / (2 pi).
+        riflex_k: RIFLEx's band per axis (:func:`check_riflex_k`); ``riflex`` only.
 
     Returns:
         (..., ndim, P) float32 tensor (float64 when ``freqs`` is float64).
@@ -95,14 +255,19 @@ def scale_frequencies(
         raise ValueError(f"factors must have ndim = {freqs.shape[-2]} entries, got {tuple(factors)}")
     if any(not s > 0 for s in factors):
         raise ValueError(f"factors must be positive, got {tuple(factors)}")
-    if mode == "yarn":
+    if riflex_k is not None and mode != "riflex":
+        raise ValueError(f"riflex_k applies to mode='riflex' only, got mode={mode!r} and riflex_k={riflex_k!r}")
+    if mode in ("yarn", "riflex"):
         if train_grid_size is None or len(train_grid_size) != freqs.shape[-2]:
-            raise ValueError(f"yarn needs train_grid_size with {freqs.shape[-2]} entries, got {train_grid_size}")
+            raise ValueError(f"{mode} needs train_grid_size with {freqs.shape[-2]} entries, got {train_grid_size}")
         if not beta > alpha:
             raise ValueError(f"yarn needs beta > alpha, got alpha={alpha}, beta={beta}")
     freqs = freqs if freqs.dtype == torch.float64 else freqs.float()
     if mode == "none" or all(s <= 1 for s in factors):
         return freqs
+    if mode == "riflex":  # the test lengths are s_a * n0_a (the factors are their ratios to the training grid)
+        grid_size = tuple(max(n0, round(s * n0)) for s, n0 in zip(factors, train_grid_size, strict=True))
+        return riflex_frequencies(freqs, grid_size, train_grid_size, riflex_k)
     rows = []
     rates = freqs.detach().norm(dim=-2)  # (..., P): each pair's rate over all axes, NTK's scale of bands
     for axis, s in enumerate(factors):
@@ -133,11 +298,19 @@ def scale_frequencies(
 class Extrapolation(nn.Module):
     """Mixin holding a rotary scheme's extrapolation settings.
 
-    ``supported_extrapolation`` lists the modes the scheme implements; the training grid comes from the model
-    (``grid_size`` at construction) or from :meth:`set_extrapolation`.
+    ``supported_extrapolation`` lists the modes the scheme implements: the scaling modes, and ``riflex`` where the
+    class declares ``axial_spectrum``; the training grid comes from the model (``grid_size`` at construction) or
+    from :meth:`set_extrapolation`.
     """
 
-    supported_extrapolation: ClassVar[tuple[str, ...]] = EXTRAPOLATION_MODES
+    #: every rotary pair turns with one coordinate axis (one non-zero frequency per pair, in every layer and head),
+    #: so that each axis has its own bands: what RIFLEx edits (RoPE-Axial)
+    axial_spectrum: ClassVar[bool] = False
+
+    @property
+    def supported_extrapolation(self) -> tuple[str, ...]:
+        """The scaling modes, and ``riflex`` for an ``axial_spectrum``."""
+        return SCALING_MODES + (("riflex",) if self.axial_spectrum else ())
 
     def init_extrapolation(
         self,
@@ -149,6 +322,10 @@ class Extrapolation(nn.Module):
         self.extrapolation = "none"
         self.train_grid_size = None if grid_size is None else validate_grid_size(grid_size)
         self.yarn_alpha, self.yarn_beta = 1.0, 32.0
+        self.riflex_k: tuple[int | None, ...] | None = None
+        # frequency multiplier (depth | 1, num_heads | 1, ndim, P) applied after the mode (DoPE), none by default;
+        # not saved with the weights: it is an evaluation-time setting, like the mode
+        self.register_buffer("band_multiplier", None, persistent=False)
         self.set_extrapolation(extrapolation, alpha=yarn_alpha, beta=yarn_beta)
 
     def set_extrapolation(
@@ -158,13 +335,16 @@ class Extrapolation(nn.Module):
         alpha: float | None = None,
         beta: float | None = None,
         train_grid_size: Sequence[int] | None = None,
+        riflex_k: int | Sequence[int | None] | None = None,
     ) -> None:
-        """Switch the scaling mode (``none``, ``pi``, ``ntk``, ``yarn``) at any time; nothing is retrained.
+        """Switch the mode (one of :data:`EXTRAPOLATION_MODES`) at any time; nothing is retrained.
 
         Args:
             mode: scaling rule; the scheme's ``supported_extrapolation`` lists the modes it implements.
             alpha, beta: YaRN ramp bounds (kept when None).
             train_grid_size: override the training grid the factors are relative to.
+            riflex_k: ``riflex`` only: RIFLEx's band per coordinate axis (:func:`check_riflex_k`; None: the band
+                whose period is nearest the training length, on every axis).
         """
         if not isinstance(mode, str) or mode not in EXTRAPOLATION_MODES:
             raise ValueError(f"extrapolation must be one of {EXTRAPOLATION_MODES}, got {mode!r}")
@@ -183,8 +363,37 @@ class Extrapolation(nn.Module):
             raise ValueError(reason)
         if not (math.isfinite(alpha) and math.isfinite(beta) and beta > alpha):
             raise ValueError(f"yarn_beta must be greater than yarn_alpha, got alpha={alpha}, beta={beta}")
+        ks = self.check_riflex_options(mode, riflex_k, train)
         self.train_grid_size = train
         self.extrapolation, self.yarn_alpha, self.yarn_beta = mode, alpha, beta
+        self.riflex_k = ks
+
+    def check_riflex_options(
+        self,
+        mode: str,
+        riflex_k: int | Sequence[int | None] | None,
+        train_grid_size: tuple[int, ...] | None = None,
+    ) -> tuple[int | None, ...] | None:
+        """``riflex_k`` per axis for ``mode`` (None for the other modes, which take no ``riflex_k``); ValueError for
+        a band the axis does not have (read off the scheme's frequencies)."""
+        if mode != "riflex":
+            if riflex_k is not None:
+                raise ValueError(
+                    f"riflex_k applies to extrapolation='riflex' only, got {mode!r} and riflex_k={riflex_k!r}"
+                )
+            return None
+        train = train_grid_size or self.train_grid_size
+        ks = check_riflex_k(riflex_k, len(train) if train is not None else self._grid_ranks()[0])
+        if any(k for k in ks) and callable(getattr(self, "frequencies", None)):
+            with torch.no_grad():
+                bands = (self.frequencies() != 0).flatten(0, -3).sum(-1).amin(0).tolist()  # per axis
+            for axis, (k, count) in enumerate(zip(ks, bands, strict=True)):
+                if k and k > count:
+                    raise ValueError(
+                        f"riflex_k[{axis}] must be a band of axis {axis}, which has {count} bands in "
+                        f"{type(self).__name__}, got {k}"
+                    )
+        return ks
 
     def _grid_ranks(self) -> tuple[int, ...]:
         """The grid ranks the scheme takes (its ``ndims``: exactly its ``ndim`` for the rotary schemes)."""
@@ -199,6 +408,11 @@ class Extrapolation(nn.Module):
             return (
                 f"train_grid_size must have {' or '.join(map(str, ranks))} entries for {name}, "
                 f"got {len(train_grid_size)}: {tuple(train_grid_size)}"
+            )
+        if mode == "riflex" and mode not in self.supported_extrapolation:
+            return (
+                f"{name} supports extrapolation modes {self.supported_extrapolation}, got 'riflex': RIFLEx edits one "
+                "band per axis and needs an axial spectrum (each rotary pair turning with one axis, as RoPE-Axial)"
             )
         if mode not in self.supported_extrapolation:
             return (
@@ -245,6 +459,30 @@ class Extrapolation(nn.Module):
         factors = axis_scale_factors(grid_size, self.train_grid_size)
         return None if all(s <= 1 for s in factors) else factors
 
+    def adjust_frequencies(self, freqs: torch.Tensor, grid_size: Sequence[int] | None) -> tuple[torch.Tensor, float]:
+        """``freqs`` (..., ndim, P) for ``grid_size``: scaled by the mode (:func:`scale_frequencies`; RIFLEx's band
+        edit), then times ``band_multiplier`` when one is set; and YaRN's cos/sin multiplier (1 otherwise).
+
+        ``freqs`` comes back as it is when neither applies (same tensor, gradient and dtype).
+        """
+        factors = self.scale_factors(grid_size)
+        mscale = 1.0
+        if factors is not None:
+            freqs = scale_frequencies(
+                freqs,
+                factors,
+                self.extrapolation,
+                self.train_grid_size,
+                self.yarn_alpha,
+                self.yarn_beta,
+                riflex_k=self.riflex_k,
+            )
+            mscale = yarn_attention_factor(factors) if self.extrapolation == "yarn" else 1.0
+        multiplier = self.band_multiplier
+        if multiplier is not None:
+            freqs = freqs * multiplier
+        return freqs, mscale
+
 
 def set_extrapolation(
     model: nn.Module,
@@ -253,13 +491,18 @@ def set_extrapolation(
     alpha: float | None = None,
     beta: float | None = None,
     train_grid_size: Sequence[int] | None = None,
+    riflex_k: int | Sequence[int | None] | None = None,
 ) -> list[str]:
     """Switch the extrapolation mode of every rotary scheme in ``model``; returns the names switched.
+
+    ``riflex_k`` (``mode="riflex"`` only): RIFLEx's band per coordinate axis, see :func:`check_riflex_k`.
 
     Example:
         >>> import timm, visionpe
         >>> m = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed="rope_axial", depth=1)
         >>> set_extrapolation(m, "ntk")
+        ['pos_schemes.rope_axial']
+        >>> set_extrapolation(m, "riflex", riflex_k=(0, 3))  # band 3 of x only
         ['pos_schemes.rope_axial']
     """
     if not isinstance(model, nn.Module):
@@ -274,6 +517,7 @@ def set_extrapolation(
         reason = module.extrapolation_refusal(mode, train)
         if reason is not None:
             raise ValueError(f"{name or type(module).__name__}: {reason}")
+        module.check_riflex_options(mode, riflex_k, train)
     for _, module in targets:
-        module.set_extrapolation(mode, alpha=alpha, beta=beta, train_grid_size=train_grid_size)
+        module.set_extrapolation(mode, alpha=alpha, beta=beta, train_grid_size=train_grid_size, riflex_k=riflex_k)
     return [name for name, _ in targets]
