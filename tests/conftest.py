@@ -108,8 +108,8 @@ PATCH_DROP_DIFFERS = {
 #   generators) outside the graph; iRPE caches its per-grid state in a dict keyed by the grid, CPE's convolution
 #   specialises on it, every bias scheme builds Python index ranges over the tokens of its per-offset tables, and
 #   AOTAutograd fixes the token count of sincos and fourier tables added to tokens that require grad (their
-#   inference graph is dynamic).
-RECOMPILE_PER_GRID = {"cpe", "sincos", "fourier", *BIAS, *LIE}
+#   inference graph is dynamic), and LOOPE walks its Gilbert curve in Python for each grid.
+RECOMPILE_PER_GRID = {"cpe", "sincos", "fourier", "loope", *BIAS, *LIE}
 # - options a scheme needs in the small models of the generic tests (none so far: every scheme builds from the
 #   model's dim, num_heads and depth alone)
 MODEL_OPTIONS: dict[str, dict] = {}

@@ -61,12 +61,14 @@ def _filter_fn(state_dict, model):
     state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
     try:
         if any(k.startswith("pos_schemes.") for k in state_dict):
-            # already a visionpe checkpoint: only a learned table from another grid changes (resampled); every
-            # other key goes to timm's loader as it is (a shape mismatch fails there)
+            # already a visionpe checkpoint: only tables from another grid change (resampled: the learned table and
+            # the grid-shaped parameters a scheme resamples itself); every other key goes to timm's loader as it is
+            # (a shape mismatch fails there)
             _check_same_schemes(state_dict, model)
-            learned = "pos_schemes.learned.pos_embed"
-            if learned in state_dict and learned in model.state_dict():
-                return {**state_dict, **convert_timm_state_dict({learned: state_dict[learned]}, model)[0]}
+            target = model.state_dict()
+            other_grid = {k: v for k, v in state_dict.items() if k in target and v.shape != target[k].shape}
+            if other_grid:
+                return {**state_dict, **convert_timm_state_dict(other_grid, model)[0]}
             return state_dict
         return convert_timm_state_dict(state_dict, model)[0]
     except TypeError as e:  # timm retries a filter that raises TypeError with one argument, hiding the cause

@@ -33,7 +33,8 @@ def convert_timm_state_dict(
     Weights whose name and shape match are kept. The absolute table ``pos_embed`` goes to the model's
     ``learned`` scheme, resampled to its grid (prefix rows kept or dropped to match), or is dropped when the
     model has no learned table. A visionpe checkpoint's own table (``pos_schemes.learned.pos_embed``) from
-    another grid, e.g. trained at 224 and loaded into a model built for 384, is resampled the same way.
+    another grid, e.g. trained at 224 and loaded into a model built for 384, is resampled the same way, and so is
+    any grid-shaped parameter of a scheme that resamples it (``resample_table``, e.g. LOOPE's context).
     Returns the new state dict and a report.
     """
     if not isinstance(state_dict, Mapping):
@@ -76,6 +77,9 @@ def convert_timm_state_dict(
             out[new_key] = torch.cat([prefix, patches], dim=1)
         elif key in target and target[key].shape == value.shape:
             out[key] = value
+        elif key in target and (resampled := _resample_scheme_table(model, key, value)) is not None:
+            out[key] = resampled
+            report.resampled.append(f"{key} ({tuple(value.shape)} -> {tuple(resampled.shape)})")
         else:
             reason = (
                 "not in model" if key not in target else f"shape {tuple(value.shape)} != {tuple(target[key].shape)}"
@@ -99,6 +103,16 @@ def load_timm_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
     new_state, report = convert_timm_state_dict(state_dict, model)
     model.load_state_dict(new_state, strict=False)
     return report
+
+
+def _resample_scheme_table(model: nn.Module, key: str, value: torch.Tensor) -> torch.Tensor | None:
+    """A scheme's own grid-shaped parameter from a checkpoint of another grid (``pos_schemes.<name>.<param>``),
+    resampled by the scheme's ``resample_table(param, value)`` (LOOPE's X_C), or None when it has none."""
+    parts = key.split(".")
+    if len(parts) != 3 or parts[0] != "pos_schemes" or parts[1] not in model.pos_schemes:
+        return None
+    resample = getattr(model.pos_schemes[parts[1]], "resample_table", None)
+    return None if resample is None else resample(parts[2], value)
 
 
 def _infer_grid(num_rows: int, num_prefix_tokens: int) -> tuple[int, tuple[int, int]]:
