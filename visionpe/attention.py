@@ -192,7 +192,8 @@ class PosAttention(Attention):
     def fold_qk_basis(self, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight, bias) of the qkv projection with the q and k rows of every head multiplied by ``basis``
         (num_heads | 1, head_dim, head_dim), or (2, num_heads | 1, head_dim, head_dim) with one P for q and one for k:
-        P W_q, P W_k and P b, in the weights' dtype without autocast; the v rows unchanged. Differentiable in P and the weights; :func:`~visionpe.fold_string_` writes it back."""
+        P W_q, P W_k and P b, in the weights' dtype without autocast; the v rows unchanged. Differentiable in P and
+        the weights; :func:`~visionpe.fold_string_` writes it back."""
         weight, bias, qk_rows = self.qkv.weight, self.qkv.bias, 2 * self.num_heads * self.head_dim
         with torch.autocast(weight.device.type, enabled=False):
             basis = basis.to(weight.dtype)
