@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--seeds", nargs="+", type=int, default=[0], help="seeds of the trained runs (checkpoints keep their own)"
     )
-    parser.add_argument("--extrapolation", nargs="+", default=["none"], help="none pi ntk yarn")
+    parser.add_argument("--extrapolation", nargs="+", default=["none"], help="none pi ntk yarn riflex")
     parser.add_argument("--max-epochs", type=int, default=None, help="override trainer.max_epochs")
     parser.add_argument(
         "--override",

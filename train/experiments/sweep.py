@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from visionpe.rotary.scaling import Extrapolation, set_extrapolation
+from visionpe.rotary.scaling import EXTRAPOLATION_MODES, Extrapolation, set_extrapolation
 from visionpe.training import Classifier
 from visionpe.training.evaluate import sweep, write_report
 from visionpe.training.sampling import _check_int, _check_int_tuple
@@ -45,7 +45,6 @@ REFERENCE_MODELS = {
     "timm_rope_axial": ("timm Eva RoPE-Axial", "vit_small_patch16_rope_224", ["--model.weight_init=vit"]),
     "timm_rope_mixed": ("timm Eva RoPE-Mixed", "vit_small_patch16_rope_mixed_224", ["--model.weight_init=vit"]),
 }
-EXTRAPOLATION_MODES = ("none", "pi", "ntk", "yarn")
 
 
 FINAL_CHECKPOINT = "final.ckpt"  # written by train_from_config once a run has finished training
