@@ -5,4 +5,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # both cores (pytest-xdist; one process per core): the suite takes about twice as long in one process.
 # Arguments come after, so e.g. `-n 0` runs in one process and `-x` stops at the first failure.
-.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" "$@"
+# One torch thread per worker (tests/conftest.py sets the same inside each worker): torch's default of every core in
+# every worker oversubscribes the machine and made the suite about twice as slow.
+workers="${PYTEST_WORKERS:-2}"
+if [ "$workers" != "0" ]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
+.venv/bin/python -m pytest -n "$workers" "$@"

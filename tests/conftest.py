@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 
 import pytest
 import torch
@@ -22,6 +23,11 @@ from visionpe.registry import get_scheme_class
 from visionpe.rotary.lie_base import LieBlockRotary
 
 from . import test_custom_scheme  # noqa: F401 - registers the throwaway rotary scheme before collection
+
+# pytest-xdist: each worker process gets its share of the cores for torch's intra-op threads. torch's default (every
+# core in every worker) oversubscribes the machine: on 2 cores with 2 workers a run took about twice as long.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 ALL_SCHEMES = visionpe.list_schemes()
 ABSOLUTE = visionpe.list_schemes("absolute")
@@ -66,21 +72,18 @@ VIDEO = [n for n in ALL_SCHEMES if takes_option(n, "ndim")]
 
 
 def _family(name: str) -> str:
-    """The implementation a scheme shares with others: its nearest visionpe base class below the kind's base class
-    (``LinearRotary``, ``StringBase``, ``DistanceKernelBias``, ...), or the scheme itself when it derives from the
-    kind's base class directly (its code is its own)."""
-    kind_bases = {visionpe.PositionEncoding, visionpe.AbsolutePositionEncoding, visionpe.RotaryPositionEncoding}
-    kind_bases.add(visionpe.BiasPositionEncoding)
-    for base in scheme_class(name).__mro__[1:]:
-        if base in kind_bases:
-            return name
-        if base.__module__.startswith("visionpe.") and issubclass(base, visionpe.PositionEncoding):
-            return f"{base.__module__}.{base.__qualname__}"
-    return name
+    """The implementation a scheme shares with others: the class that defines the method through which it enters the
+    model (``prepare`` for rotary and bias schemes, ``forward`` for absolute ones), e.g. ``LinearRotary`` for every
+    RoPE with a frequency matrix, ``DistanceKernelBias`` for the distance kernels, or the scheme's own class."""
+    cls = scheme_class(name)
+    method = "forward" if cls.kind == "absolute" else "prepare"
+    owner = next(base for base in cls.__mro__ if method in vars(base))
+    return f"{owner.__module__}.{owner.__qualname__}"
 
 
-# one scheme per implementation family (the first by name): for the slowest whole-pipeline checks (ONNX export
-# through onnxruntime, about 10 s a scheme), which exercise the code a family shares, not a scheme's own numbers
+# one scheme per implementation family (the first by name): for the slowest whole-pipeline checks (torch.compile
+# against eager, ONNX export through onnxruntime: 10-30 s a scheme), which exercise the code a family shares; every
+# scheme's own numbers are checked by the faster generic tests
 FAMILY_REPRESENTATIVES = sorted({_family(n): n for n in reversed(ALL_SCHEMES)}.values())
 
 # Not declared by the classes:
