@@ -43,6 +43,7 @@ activations' precision, as any linear layer.
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -94,9 +95,9 @@ class _ParabolicBias(BiasPositionEncoding):
         return (self.ndim,)
 
     @property
+    @abstractmethod
     def extra_channels(self) -> int:
         """Channels appended to q and k before padding."""
-        raise NotImplementedError
 
     @property
     def augmented_dim(self) -> int:
@@ -158,15 +159,15 @@ class _ParabolicBias(BiasPositionEncoding):
             q_extra, k_extra = q_extra * keep, k_extra * keep
         return q_extra, k_extra
 
+    @abstractmethod
     def content_weight(self, layer: int) -> torch.Tensor:
         """The (features, C) map of block ``layer`` from the normalised tokens to the curvatures (and slopes)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _channels(
         self, positions: torch.Tensor, layer: int, projected: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 (query, key) channels from fp32 ``positions`` (T, D_r) and the projected tokens (B, T, features)."""
-        raise NotImplementedError
 
     def augment_qk(
         self,
