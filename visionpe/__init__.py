@@ -3,7 +3,7 @@
 ``import visionpe`` registers ``visionpe_vit_{tiny,small,base,large}_patch16_224`` with timm.
 """
 
-from . import absolute, bias, grid, rotary  # noqa: F401  (importing them registers every scheme)
+from . import absolute, bias, camera, grid, rotary  # noqa: F401  (importing them registers every scheme)
 from .attention import PosAttention, PosBlock, PositionContext
 from .base import AbsolutePositionEncoding, BiasPositionEncoding, PositionEncoding, RotaryPositionEncoding
 from .bias.irpe import irpe_piecewise_index
@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "grid",
+    "camera",
     "multimodal",
     "list_schemes",
     "create_pos_embed",

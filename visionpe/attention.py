@@ -4,7 +4,8 @@ A :class:`PositionContext` is built once per forward by the model: the rotary sc
 cos/sin tables) and the bias schemes' states (offset buckets, coordinates). Each block receives it, the way
 timm's Eva passes ``rope``, and picks its own layer. Attention runs through ``scaled_dot_product_attention``
 with the summed logit bias as ``attn_mask``; only schemes that add a value term (``needs_probs``) take the
-explicit path.
+explicit path. Relative camera schemes (multi-view models, :mod:`visionpe.camera`) wrap the attention call: their
+transforms map q, k, v before it and the output after it.
 
 With patch dropout (timm's ``patch_drop_rate``) each sample keeps its own subset of patches; the context then holds
 ``keep``, the kept tokens' indices in the full sequence (positions, rotations and biases are those of the full grid,
@@ -24,6 +25,7 @@ computation. A recorded attention keeps its whole bias for the backward in any c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, ClassVar
 
 import torch
@@ -42,10 +44,13 @@ __all__ = ["PositionContext", "PosAttention", "PosBlock"]
 @dataclass
 class PositionContext:
     """Per-forward position state shared by all blocks: each rotary scheme's
-    :class:`~visionpe.rotary.state.RotaryState` and each bias scheme's (scheme, state)."""
+    :class:`~visionpe.rotary.state.RotaryState`, each bias scheme's (scheme, state) and, in multi-view models, each
+    relative camera scheme's (scheme, :class:`~visionpe.camera.CameraState`)."""
 
     rotary: list[RotaryState] = field(default_factory=list)
     bias: list[tuple[BiasPositionEncoding, Any]] = field(default_factory=list)
+    # relative camera schemes of a multi-view model: (scheme, CameraState), applied around the attention itself
+    camera: list[tuple[Any, Any]] = field(default_factory=list)
     # patch dropout: (B, K) int64 indices of the tokens each sample kept (prefix included) in the full sequence of
     # ``num_tokens`` tokens the states were built for; None when every token is there
     keep: torch.Tensor | None = None
@@ -88,7 +93,7 @@ class PosAttention(Attention):
         is_causal: bool = False,
         pos: PositionContext | None = None,
     ) -> torch.Tensor:
-        if pos is None or not (pos.rotary or pos.bias):
+        if pos is None or not (pos.rotary or pos.bias or pos.camera):
             return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
         B, N, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
@@ -108,7 +113,10 @@ class PosAttention(Attention):
         tokens = x if any(scheme.needs_tokens for scheme, _ in pos.bias) else None
         if pos.augments_qk:
             q, k = self._augment_qk(q, k, tokens, pos)
-        x = self._attend_chunked(q, k, v, pos, attn_mask, is_causal, tokens)
+        if pos.camera:
+            x = self._attend_cameras(q, k, v, pos, attn_mask, is_causal, tokens, x)
+        else:
+            x = self._attend_chunked(q, k, v, pos, attn_mask, is_causal, tokens)
         x = rotation.unrotate_output(x, pos.keep)
         x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
         x = self.norm(x)
@@ -154,6 +162,30 @@ class PosAttention(Attention):
             ],
             dim=2,
         )
+
+    def _attend_cameras(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pos: PositionContext,
+        attn_mask: torch.Tensor | None,
+        is_causal: bool,
+        tokens: torch.Tensor | None,
+        block_input: torch.Tensor,
+    ) -> torch.Tensor:
+        """Attention through every relative camera scheme's transform of this block (the first scheme outermost):
+        each maps q, k, v before the attention and the output after it (:mod:`visionpe.camera.base`)."""
+        if pos.keep is not None:
+            raise ValueError("camera schemes take every token of every view; patch dropout (keep) is not supported")
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return self._attend_chunked(q, k, v, pos, attn_mask, is_causal, tokens)
+
+        for scheme, state in reversed(pos.camera):
+            transform = state.layer(self.layer, tokens=block_input if scheme.needs_tokens else None)
+            attend = partial(transform.attend, attend=attend)
+        return attend(q, k, v)
 
     def _augment_qk(
         self, q: torch.Tensor, k: torch.Tensor, tokens: torch.Tensor | None, pos: PositionContext

@@ -51,26 +51,29 @@ def unregister_scheme(name: str) -> type[nn.Module]:
 
 
 def list_schemes(kind: str | None = None) -> list[str]:
-    """Sorted names of the registered vision schemes, optionally only one kind.
+    """Sorted names of the registered schemes of one kind, or of the image schemes.
 
     Args:
-        kind: ``"absolute"``, ``"rotary"``, ``"bias"`` or None for all.
+        kind: ``"absolute"``, ``"rotary"`` or ``"bias"``; None for all three (the schemes of a single-image model,
+            :class:`~visionpe.VisionPEViT`); ``"camera"`` for the camera-aware schemes of multi-view models
+            (:mod:`visionpe.camera`).
 
     Example:
         >>> import visionpe
         >>> "rope_mixed" in visionpe.list_schemes("rotary")
         True
     """
-    kinds = ("absolute", "rotary", "bias")
+    kinds = ("absolute", "rotary", "bias", "camera")
     if kind is not None:
         check_choice(kind, "kind", kinds, expected=f"one of {kinds} or None")
-    return sorted(n for n, c in _SCHEMES.items() if kind is None or c.kind == kind)
+    return sorted(n for n, c in _SCHEMES.items() if (c.kind == kind if kind else c.kind in kinds[:3]))
 
 
 def get_scheme_class(name: str) -> type[nn.Module]:
     check_instance(name, "scheme name", str, expected="a str")
     if name not in _SCHEMES:
-        raise ValueError(f"unknown position scheme {name!r}; valid names: {', '.join(list_schemes())}")
+        valid = ", ".join(list_schemes() + list_schemes("camera"))
+        raise ValueError(f"unknown position scheme {name!r}; valid names: {valid}")
     return _SCHEMES[name]
 
 
