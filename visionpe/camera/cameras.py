@@ -204,9 +204,13 @@ class Cameras:
         if pixels.ndim == 2:
             pixels = pixels.expand(self.batch_size, self.num_views, -1, -1)
         k = self.intrinsics
-        fx, fy, cx, cy, skew = k[..., 0, 0, None], k[..., 1, 1, None], k[..., 0, 2, None], k[..., 1, 2, None], k[
-            ..., 0, 1, None
-        ]
+        fx, fy, cx, cy, skew = (
+            k[..., 0, 0, None],
+            k[..., 1, 1, None],
+            k[..., 0, 2, None],
+            k[..., 1, 2, None],
+            k[..., 0, 1, None],
+        )
         y = (pixels[..., 1] - cy) / fy
         x = (pixels[..., 0] - cx - skew * y) / fx
         cam = torch.stack((x, y, torch.ones_like(x)), -1)

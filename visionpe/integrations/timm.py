@@ -13,10 +13,11 @@ from timm.data import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from ..models.convert import convert_timm_state_dict
+from ..models.multiview_vit import MultiViewViT
 from ..models.video_vit import VideoPEViT
 from ..models.vit import VisionPEViT
 
-__all__ = ["VisionPEViT", "VideoPEViT"]
+__all__ = ["VisionPEViT", "VideoPEViT", "MultiViewViT"]
 
 _SIZES = {
     "tiny": dict(embed_dim=192, depth=12, num_heads=3),
@@ -45,6 +46,7 @@ def _cfg(**kwargs):
 default_cfgs = generate_default_cfgs(
     {f"visionpe_vit_{size}_patch16_224": _cfg() for size in _SIZES}
     | {f"visionpe_video_vit_{size}_tubelet2x16": _cfg() for size in _SIZES}
+    | {f"visionpe_mvvit_{size}_patch16": _cfg() for size in ("tiny", "small", "base")}
 )
 
 
@@ -159,3 +161,33 @@ def visionpe_video_vit_small_tubelet2x16(pretrained: bool = False, **kwargs) -> 
 def visionpe_video_vit_base_tubelet2x16(pretrained: bool = False, **kwargs) -> VideoPEViT:
     """Video ViT-B with 2x16x16 tubelets, 16 frames; ``pos_embed=`` a 3D-capable scheme."""
     return _create_video("visionpe_video_vit_base_tubelet2x16", "base", pretrained, **kwargs)
+
+
+def _create_multiview(variant: str, size: str, pretrained: bool, **kwargs) -> MultiViewViT:
+    if kwargs.get("features_only"):
+        raise ValueError(
+            f"{variant} does not support features_only=True: its forward takes cameras besides the images; use "
+            "forward_intermediates(x, cameras) or forward_view_features(x, cameras) for per-view feature maps"
+        )
+    args = dict(patch_size=16, **_SIZES[size])
+    args.update(kwargs)
+    return build_model_with_cfg(MultiViewViT, variant, pretrained, **args)
+
+
+@register_model
+def visionpe_mvvit_tiny_patch16(pretrained: bool = False, **kwargs) -> MultiViewViT:
+    """Multi-view ViT-Ti/16 (dim 192, depth 12, 3 heads): ``camera_embed=`` a camera scheme, ``pos_embed=`` a
+    within-view 2D scheme; called as ``model(images (B, V, C, H, W), cameras)``."""
+    return _create_multiview("visionpe_mvvit_tiny_patch16", "tiny", pretrained, **kwargs)
+
+
+@register_model
+def visionpe_mvvit_small_patch16(pretrained: bool = False, **kwargs) -> MultiViewViT:
+    """Multi-view ViT-S/16 (dim 384, depth 12, 6 heads); see :func:`visionpe_mvvit_tiny_patch16`."""
+    return _create_multiview("visionpe_mvvit_small_patch16", "small", pretrained, **kwargs)
+
+
+@register_model
+def visionpe_mvvit_base_patch16(pretrained: bool = False, **kwargs) -> MultiViewViT:
+    """Multi-view ViT-B/16 (dim 768, depth 12, 12 heads); see :func:`visionpe_mvvit_tiny_patch16`."""
+    return _create_multiview("visionpe_mvvit_base_patch16", "base", pretrained, **kwargs)
