@@ -1,0 +1,34 @@
+"""bench/multiview.py: one row per camera scheme with its ratio to the same multi-view ViT without camera encoding,
+written to multiview_speed.md and .csv; a name that is not a camera scheme stops it before any model is built."""
+
+import csv
+
+import pytest
+
+import visionpe
+
+from .scripts import load_script
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("bench/multiview.py")
+
+
+def test_main_writes_a_row_per_model(bench, monkeypatch, capsys, tmp_path):
+    schemes = visionpe.list_schemes("camera")[:1]
+    args = ["--model", "tiny", "--size", "32", "--batch", "1", "--rounds", "1", "--warmup", "0", "--schemes", *schemes]
+    monkeypatch.setattr("sys.argv", ["bench/multiview.py", *args, "--out", str(tmp_path)])
+    bench.main()
+    with open(tmp_path / "multiview_speed.csv") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["model", "samples/s", "ratio to no camera"]
+    assert [r[0] for r in rows[1:]] == [bench.BASELINE, *schemes]
+    assert float(rows[1][2]) == 1.0
+    assert "2 views at 32px" in (tmp_path / "multiview_speed.md").read_text()
+
+
+def test_a_scheme_that_is_not_a_camera_scheme_is_refused(bench, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["bench/multiview.py", "--schemes", "rope_axial"])
+    with pytest.raises(SystemExit):
+        bench.main()
