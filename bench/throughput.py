@@ -10,6 +10,7 @@ in the same run; timm's own RoPE ViTs (Eva) are printed as reference rows.
     .venv/bin/python bench/throughput.py --malloc retain  # glibc keeps freed memory: no page faults per step
     .venv/bin/python bench/throughput.py --patch-drop 0.5  # every model, the baseline too, with timm's patch dropout
     .venv/bin/python bench/throughput.py --schemes string_cayley --depth  # and STRING on RGB-D (depth_coords)
+    .venv/bin/python bench/throughput.py --rove           # and RoPE rotating the values too (rotate_values=True)
     python3 bench/throughput.py --device cuda --precision bf16 --batch 128 --steps 5 --profile  # on a GPU
 
 ``--malloc retain`` (Linux, glibc) sets M_MMAP_THRESHOLD to its 32 MB maximum and M_TRIM_THRESHOLD beyond any
@@ -43,6 +44,7 @@ from bench.results import DEFAULT_OUT, ROOT, write_results  # noqa: E402
 
 REFERENCES = ["vit_small_patch16_rope_224", "vit_small_patch16_rope_mixed_224"]
 COMBOS = [["learned", "rope_mixed"]]
+ROVE = ["rope_axial", "rope_mixed"]  # rows with --rove
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
@@ -119,6 +121,9 @@ def main() -> None:
         "--depth", action="store_true", help="also STRING with depth_coords=True, called with a random depth map"
     )
     parser.add_argument(
+        "--rove", action="store_true", help="also rope_axial and rope_mixed rotating the values (rotate_values=True)"
+    )
+    parser.add_argument(
         "--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of throughput.md and .csv (default {DEFAULT_OUT})"
     )
     args = parser.parse_args()
@@ -152,6 +157,15 @@ def main() -> None:
                 **drop,
             )
             inputs[label] = {"depth": torch.rand(args.batch, 1, args.size, args.size, device=args.device) * 5}
+    if args.rove:
+        for name in ROVE:
+            models[f"{name} (RoVE, rotate_values)"] = timm.create_model(
+                "visionpe_vit_small_patch16_224",
+                pos_embed=name,
+                pos_embed_kwargs={"rotate_values": True},
+                img_size=args.size,
+                **drop,
+            )
     for label, model in models.items():
         model.to(args.device).train()
         for _ in range(args.warmup):

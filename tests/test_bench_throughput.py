@@ -69,3 +69,12 @@ def test_profile_counts_the_ops_a_scheme_adds(bench):
         counts[name], busy = bench.profile_step(model, images)
         assert busy > 0
     assert counts["rope_axial"] > counts["none"] > 0, counts
+
+
+def test_rove_adds_rows_that_rotate_the_values(bench, monkeypatch, capsys, tmp_path):
+    args = "--schemes none --rove --rounds 1 --warmup 0 --batch 1 --size 32"
+    monkeypatch.setattr("sys.argv", ["bench/throughput.py", *args.split(), "--out", str(tmp_path)])
+    bench.main()
+    with open(tmp_path / "throughput.csv", newline="") as f:
+        labels = [row[0] for row in csv.reader(f)][1:]
+    assert labels[-2:] == ["rope_axial (RoVE, rotate_values)", "rope_mixed (RoVE, rotate_values)"]
