@@ -5,7 +5,7 @@ import timm
 import torch
 
 import visionpe
-from visionpe.camera import CameraState, CameraTransform, RelativeCameraEncoding, look_at, random_rigid
+from visionpe.camera import CameraState, QKVCameraTransform, RelativeCameraEncoding, look_at, random_rigid
 from visionpe.camera.cameras import Cameras
 from visionpe.models.multiview_vit import ViewTiledState
 from visionpe.registry import register_scheme, unregister_scheme
@@ -67,7 +67,7 @@ def test_views_are_exchangeable_without_cameras_and_tokens_are_ordered_by_view()
     )
 
 
-class _ViewRotation(CameraTransform):
+class _ViewRotation(QKVCameraTransform):
     """Maps q, k, v of each view by R^T, the rotation part of its w2c transposed (per 3 + 1 channels), and the output
     back by R: a relative encoding (logits q^T R_q R_k^T k, unchanged when every R becomes R A), written for these
     tests."""
@@ -168,3 +168,29 @@ def test_bad_inputs():
         model(torch.randn(2, 2, 3, 24, 24), cameras())
     with pytest.raises(ValueError, match="features_only"):
         timm.create_model("visionpe_mvvit_tiny_patch16", features_only=True, **TINY)
+
+
+def test_depth_maps_reach_the_schemes_that_read_them():
+    torch.manual_seed(0)
+    x, cams = torch.randn(2, 2, 3, 16, 16), cameras()
+    depth = 2 + torch.rand(2, 2, 16, 16)
+    known = mvvit(camera_embed="rayrope", camera_embed_kwargs={"depth_source": "known"}, embed_dim=48)
+    with pytest.raises(ValueError, match="read known depths"):
+        known(x, cams)
+    out = known(x, cams, depth=depth)
+    assert not torch.allclose(out, known(x, cams, depth=depth + 1), atol=1e-5)
+    # the patch depths are the means over each patch of the maps
+    scheme = known.camera_schemes["rayrope"]
+    seen = []
+    original = scheme.prepare
+    scheme.prepare = lambda cameras, grid, patch_depth=None: (
+        seen.append(patch_depth) or original(cameras, grid, patch_depth=patch_depth)
+    )
+    known(x, cams, depth=depth[:, :, None])
+    torch.testing.assert_close(seen[0], depth.unflatten(-1, (2, 8)).unflatten(-3, (2, 8)).mean((-3, -1)).flatten(2))
+    ppe = mvvit(camera_embed="3dppe")
+    assert not torch.allclose(ppe(x, cams), ppe(x, cams, depth=depth), atol=1e-5)  # given depths replace predictions
+    with pytest.raises(ValueError, match="take none"):
+        mvvit(camera_embed="gta")(x, cams, depth=depth)
+    with pytest.raises(ValueError, match=r"depth must be \(B, V, H, W\)"):
+        known(x, cams, depth=depth[:, :1])

@@ -14,6 +14,7 @@ from .base import (
     CameraPositionEncoding,
     CameraState,
     CameraTransform,
+    QKVCameraTransform,
     RelativeCameraEncoding,
     view_blocks_matmul,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "AbsoluteCameraEncoding",
     "CameraState",
     "CameraTransform",
+    "QKVCameraTransform",
     "view_blocks_matmul",
 ]
 

@@ -6,9 +6,9 @@ of each view. It enters the model in one of two ways:
 - :class:`RelativeCameraEncoding` (GTA, RayRoPE, CaPE) acts inside attention. ``prepare(cameras, grid_size)``
   runs once per forward and returns a :class:`CameraState`; each block asks it for its :class:`CameraTransform`
   (``state.layer(i, tokens)``; ``tokens`` is the block's normalised input for schemes with ``needs_tokens``, e.g.
-  RayRoPE's predicted depths). The transform maps q, k and v before scaled-dot-product attention and the output
-  after it (:meth:`CameraTransform.attend`); a scheme whose keys depend on the query's camera overrides
-  :meth:`CameraTransform.attend` and runs one attention per query camera. Nothing of size N x N is built.
+  RayRoPE's predicted depths), whose :meth:`CameraTransform.attend` wraps the attention call. Most schemes map q, k
+  and v before scaled-dot-product attention and the output after it (:class:`QKVCameraTransform`); a scheme whose
+  keys depend on the query's camera (RayRoPE) runs one attention per query camera. Nothing of size N x N is built.
 - :class:`AbsoluteCameraEncoding` (PETR, 3DPPE) adds an embedding of each patch's 3D position to the tokens before
   the blocks: ``forward(x, cameras, grid_size)``.
 
@@ -34,6 +34,7 @@ __all__ = [
     "AbsoluteCameraEncoding",
     "CameraState",
     "CameraTransform",
+    "QKVCameraTransform",
     "view_blocks_matmul",
 ]
 
@@ -59,7 +60,17 @@ def view_blocks_matmul(x: torch.Tensor, mats: torch.Tensor, num_views: int) -> t
 
 
 class CameraTransform(ABC):
-    """One block's camera-dependent maps for one forward (see the module docstring)."""
+    """One block's camera-dependent attention for one forward (see the module docstring)."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Attention of q over k and v (each (B, heads, V * N, head_dim)) with this block's camera encoding.
+        ``attend`` is the attention itself (scaled dot product, with any bias or mask of the model), which the
+        transform calls once, or once per query camera."""
+
+
+class QKVCameraTransform(CameraTransform):
+    """A camera transform that maps q, k and v once for all queries, and the output back (GTA, CaPE)."""
 
     @abstractmethod
     def transform_qkv(
@@ -73,8 +84,7 @@ class CameraTransform(ABC):
         return o
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """Attention of q over k and v with this transform: ``untransform_output(attend(*transform_qkv(q, k, v)))``.
-        ``attend`` is the attention itself (scaled dot product, with any bias or mask of the model)."""
+        """``untransform_output(attend(*transform_qkv(q, k, v)))``."""
         return self.untransform_output(attend(*self.transform_qkv(q, k, v)))
 
 

@@ -35,7 +35,7 @@ import torch
 from ..base import check_layer, check_model_shape
 from ..checks import check_choice, check_float, describe
 from ..registry import register_scheme
-from .base import CameraState, CameraTransform, RelativeCameraEncoding, view_blocks_matmul
+from .base import CameraState, QKVCameraTransform, RelativeCameraEncoding, view_blocks_matmul
 from .cameras import Cameras, invert_rigid
 from .gta import check_qkv_shape
 
@@ -80,7 +80,7 @@ def _check_radius_range(value) -> tuple[float, float]:
     return low, high
 
 
-class CaPETransform(CameraTransform):
+class CaPETransform(QKVCameraTransform):
     """CaPE's map of q and k (v and the output unchanged): per-view 4x4 matrices (6DoF) or per-view angles (4DoF)."""
 
     def __init__(self, state: CaPEState) -> None:

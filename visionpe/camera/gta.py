@@ -36,7 +36,7 @@ from ..base import check_layer, check_model_shape
 from ..checks import check_bool, check_float, check_int, describe, is_number
 from ..grid import grid_coords
 from ..registry import register_scheme
-from .base import CameraState, CameraTransform, RelativeCameraEncoding, view_blocks_matmul
+from .base import CameraState, QKVCameraTransform, RelativeCameraEncoding, view_blocks_matmul
 from .cameras import Cameras
 
 __all__ = ["GTA", "GTAState", "GTATransform", "so2_frequencies"]
@@ -76,7 +76,7 @@ def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_vie
     return out.reshape(batch, heads, tokens, channels)
 
 
-class GTATransform(CameraTransform):
+class GTATransform(QKVCameraTransform):
     """One block's GTA maps: the per-view 4x4 matrices of the SE(3) part and the per-patch angles of the SO(2) part
     (see :mod:`visionpe.camera.gta`)."""
 

@@ -396,16 +396,6 @@ class RayRoPETransform(CameraTransform):
                 cos, sin = expected_cos_sin(angles, far)
         return cos.reshape(batch, -1, cos.shape[-1]), sin.reshape(batch, -1, sin.shape[-1])
 
-    def transform_qkv(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Not defined for RayRoPE: each query camera sees the keys at different coordinates, so no single (q, k, v)
-        serves every query; :meth:`attend` runs one attention per query camera instead."""
-        raise NotImplementedError(
-            "rayrope turns the keys into each query camera's frame, so it has no single transform of q, k and v; "
-            "use attend(q, k, v, attend), which runs one attention per query camera"
-        )
-
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend) -> torch.Tensor:
         """Attention of q over k and v (each (B, heads, V * N, head_dim)): for each view c, its queries turned by
         minus their angles against every key and value turned by minus the key's angles in c's frame; the output

@@ -18,6 +18,7 @@ two views' grids. The model has no prefix tokens (no class token); it pools the 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -171,23 +172,69 @@ class MultiViewViT(VisionPEViT):
             raise TypeError(f"cameras must be a visionpe.camera.Cameras, got {describe(cameras)}")
         cameras.check_batch(x.shape[0], x.shape[1], tuple(x.shape[-2:]))
 
-    def _blocks(self, x: torch.Tensor, cameras: Cameras, last: int | None = None):  # type: ignore[override]
+    def _depth_readers(self) -> tuple[list[str], list[str]]:
+        """(camera schemes that need depths, camera schemes that take them when given)."""
+        needs = [n for n, s in self.camera_schemes.items() if "patch_depth" in s.extra_inputs]
+        takes = [
+            n
+            for n, s in self.camera_schemes.items()
+            if isinstance(s, AbsoluteCameraEncoding) and "depth" in inspect.signature(s.forward).parameters
+        ]
+        return needs, takes
+
+    def _view_patch_depth(self, depth: torch.Tensor | None, x: torch.Tensor, grid_size: tuple[int, int]):
+        """(B, V, N) mean depth of each patch of ``depth`` (B, V, H, W) or (B, V, 1, H, W), the views' depth maps."""
+        needs, takes = self._depth_readers()
+        if depth is None:
+            if needs:
+                raise ValueError(
+                    f"camera scheme(s) {needs} read known depths: call the model with depth=(B, V, H, W), the views' "
+                    "depth maps, got depth=None"
+                )
+            return None
+        if not needs and not takes:
+            raise ValueError(
+                f"depth= is read by camera schemes with known depths (rayrope with depth_source='known', 3dppe); this "
+                f"model's camera schemes {self.camera_embed_names} take none, got depth of shape {describe(depth)}"
+            )
+        if not isinstance(depth, torch.Tensor) or not depth.is_floating_point():
+            raise TypeError(f"depth must be a floating-point (B, V, H, W) tensor, got {describe(depth)}")
+        if depth.ndim == 5 and depth.shape[2] == 1:
+            depth = depth.squeeze(2)
+        if depth.shape != (*x.shape[:2], *x.shape[-2:]):
+            raise ValueError(
+                f"depth must be (B, V, H, W) or (B, V, 1, H, W) matching the images {tuple(x.shape)}, got "
+                f"{tuple(depth.shape)}"
+            )
+        patch = self.patch_embed.patch_size
+        with torch.autocast(depth.device.type, enabled=False):
+            pooled = torch.nn.functional.avg_pool2d(depth.flatten(0, 1).float(), patch, patch, ceil_mode=True)
+        if tuple(pooled.shape[-2:]) != tuple(grid_size):
+            raise ValueError(f"depth pools to a {tuple(pooled.shape[-2:])} grid, but the patches form {grid_size}")
+        return pooled.reshape(*x.shape[:2], -1)
+
+    def _blocks(  # type: ignore[override]
+        self, x: torch.Tensor, cameras: Cameras, last: int | None = None, depth: torch.Tensor | None = None
+    ):
         """Embed every view, add the absolute encodings, then yield the (B, V * N, C) tokens after each block."""
         self._check_views(x, cameras)
         batch, views = x.shape[:2]
         tokens = self.patch_embed(x.flatten(0, 1))
         grid_size = self._grid_size(tokens)
+        patch_depth = self._view_patch_depth(depth, x, grid_size)
         tokens = tokens.reshape(batch * views, -1, self.embed_dim)
         for scheme in self._schemes("absolute"):
             if not scheme.insert_after:
                 tokens = scheme(tokens, grid_size, 0)
         tokens = tokens.reshape(batch, -1, self.embed_dim)
         cameras = cameras.to(device=tokens.device)
-        for scheme in self.camera_schemes.values():
+        _, takes = self._depth_readers()
+        for name, scheme in self.camera_schemes.items():
             if isinstance(scheme, AbsoluteCameraEncoding):
-                tokens = scheme(tokens, cameras, grid_size)
+                extra = {"depth": patch_depth} if patch_depth is not None and name in takes else {}
+                tokens = scheme(tokens, cameras, grid_size, **extra)
         x = self.norm_pre(self.pos_drop(tokens))
-        ctx = self.view_position_context(cameras, grid_size, x.device)
+        ctx = self.view_position_context(cameras, grid_size, x.device, patch_depth)
         inserts = [m for m in self._schemes("absolute") if m.insert_after]
         blocks = self.blocks if last is None else self.blocks[: last + 1]
         for i, blk in enumerate(blocks):
@@ -202,37 +249,53 @@ class MultiViewViT(VisionPEViT):
             yield x
 
     def view_position_context(
-        self, cameras: Cameras, grid_size: tuple[int, int], device: torch.device
+        self,
+        cameras: Cameras,
+        grid_size: tuple[int, int],
+        device: torch.device,
+        patch_depth: torch.Tensor | None = None,
     ) -> PositionContext:
         """The blocks' :class:`~visionpe.attention.PositionContext`: the within-view rotary states tiled over the
-        views and every relative camera scheme's state."""
+        views and every relative camera scheme's state (``patch_depth`` (B, V, N) to those that read depths)."""
         ctx = PositionContext()
         for scheme in self._schemes("rotary"):
             coords = scheme.model_coords(grid_size, device)
             ctx.rotary.append(ViewTiledState(scheme.prepare(coords, 0, grid_size=grid_size), cameras.num_views))
         for scheme in self.camera_schemes.values():
             if isinstance(scheme, RelativeCameraEncoding):
-                ctx.camera.append((scheme, scheme.prepare(cameras, grid_size)))
+                extra = {"patch_depth": patch_depth} if "patch_depth" in scheme.extra_inputs else {}
+                ctx.camera.append((scheme, scheme.prepare(cameras, grid_size, **extra)))
         return ctx
 
     # -- forward ----------------------------------------------------------------------------------------------
-    def forward_features(self, x: torch.Tensor, cameras: Cameras) -> torch.Tensor:  # type: ignore[override]
-        """(B, V, C, H, W) images and their cameras -> (B, V * N, C) normalised tokens, ordered (view, patch)."""
+    def forward_features(  # type: ignore[override]
+        self, x: torch.Tensor, cameras: Cameras, depth: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(B, V, C, H, W) images and their cameras -> (B, V * N, C) normalised tokens, ordered (view, patch).
+
+        ``depth`` (B, V, H, W): the views' depth maps, for camera schemes that read known depths (``rayrope`` with
+        ``depth_source="known"``; ``3dppe``, which predicts depths without it); each patch gets its mean depth."""
         tokens = x
-        for tokens in self._blocks(x, cameras):  # noqa: B007 - the last block's output
+        for tokens in self._blocks(x, cameras, depth=depth):  # noqa: B007 - the last block's output
             pass
         return self.norm(tokens)
 
-    def forward_view_features(self, x: torch.Tensor, cameras: Cameras) -> torch.Tensor:
-        """(B, V, C, h, w) per-view feature maps of the normalised tokens (for dense heads)."""
-        tokens = self.forward_features(x, cameras)
+    def forward_view_features(
+        self, x: torch.Tensor, cameras: Cameras, depth: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(B, V, C, h, w) per-view feature maps of the normalised tokens (for dense heads); ``depth`` as
+        :meth:`forward_features`."""
+        tokens = self.forward_features(x, cameras, depth)
         batch, views = x.shape[:2]
         h, w = self.patch_embed.dynamic_feat_size(tuple(x.shape[-2:]))
         return tokens.reshape(batch, views, h, w, -1).permute(0, 1, 4, 2, 3)
 
-    def forward(self, x: torch.Tensor, cameras: Cameras) -> torch.Tensor:  # type: ignore[override]
-        """(B, V, C, H, W) images and their cameras -> (B, num_classes) logits (pooled over every view's tokens)."""
-        return self.forward_head(self.forward_features(x, cameras))
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, cameras: Cameras, depth: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(B, V, C, H, W) images and their cameras -> (B, num_classes) logits (pooled over every view's tokens);
+        ``depth`` as :meth:`forward_features`."""
+        return self.forward_head(self.forward_features(x, cameras, depth))
 
     def forward_intermediates(  # type: ignore[override]
         self,
@@ -243,6 +306,7 @@ class MultiViewViT(VisionPEViT):
         stop_early: bool = False,
         output_fmt: str = "NCHW",
         intermediates_only: bool = False,
+        depth: torch.Tensor | None = None,
     ):
         """timm's feature API for multi-view input: the tokens after the blocks ``indices`` (last n if int, all if
         None), each (B, V, C, h, w) with ``output_fmt="NCHW"`` or (B, V * N, C) with ``"NLC"``. Returns (final
@@ -253,7 +317,7 @@ class MultiViewViT(VisionPEViT):
         batch, views = x.shape[:2]
         h, w = self.patch_embed.dynamic_feat_size(tuple(x.shape[-2:]))
         intermediates, tokens = [], x
-        for i, tokens in enumerate(self._blocks(x, cameras, max_index if stop_early else None)):
+        for i, tokens in enumerate(self._blocks(x, cameras, max_index if stop_early else None, depth)):
             if i in take_indices:
                 y = self.norm(tokens) if norm else tokens
                 if output_fmt == "NCHW":
