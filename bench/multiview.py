@@ -31,6 +31,12 @@ from visionpe.camera import Cameras, look_at  # noqa: E402
 BASELINE = "no camera encoding (baseline)"
 
 
+def scheme_options(name: str, head_dim: int) -> dict:
+    """Options a scheme needs at this head size: RayRoPE encodes a multiple of 24 channels per head (48 of ViT-S's
+    64; the rest pass unchanged)."""
+    return {"encoded_dim": head_dim // 24 * 24} if name == "rayrope" and head_dim % 24 else {}
+
+
 def random_cameras(batch: int, views: int, size: int, seed: int = 0) -> Cameras:
     """Cameras at distance 3 from the origin in random directions, looking at it, focal length = image size."""
     g = torch.Generator().manual_seed(seed)
@@ -66,8 +72,13 @@ def main() -> None:
 
     variant = f"visionpe_mvvit_{args.model}_patch16"
     models = {BASELINE: timm.create_model(variant, img_size=args.size, num_views=args.views)}
+    head_dim = models[BASELINE].embed_dim // models[BASELINE].blocks[0].attn.num_heads
     for name in schemes:
-        models[name] = timm.create_model(variant, camera_embed=name, img_size=args.size, num_views=args.views)
+        options = scheme_options(name, head_dim)
+        label = name + "".join(f", {k}={v}" for k, v in options.items())
+        models[label] = timm.create_model(
+            variant, camera_embed=name, camera_embed_kwargs=options, img_size=args.size, num_views=args.views
+        )
     images = torch.randn(args.batch, args.views, 3, args.size, args.size)
     cameras = random_cameras(args.batch, args.views, args.size)
     for model in models.values():

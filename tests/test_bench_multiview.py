@@ -5,8 +5,6 @@ import csv
 
 import pytest
 
-import visionpe
-
 from .scripts import load_script
 
 
@@ -16,14 +14,14 @@ def bench():
 
 
 def test_main_writes_a_row_per_model(bench, monkeypatch, capsys, tmp_path):
-    schemes = visionpe.list_schemes("camera")[:1]
+    schemes = ["gta", "rayrope"]
     args = ["--model", "tiny", "--size", "32", "--batch", "1", "--rounds", "1", "--warmup", "0", "--schemes", *schemes]
     monkeypatch.setattr("sys.argv", ["bench/multiview.py", *args, "--out", str(tmp_path)])
     bench.main()
     with open(tmp_path / "multiview_speed.csv") as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["model", "samples/s", "ratio to no camera"]
-    assert [r[0] for r in rows[1:]] == [bench.BASELINE, *schemes]
+    assert [r[0] for r in rows[1:]] == [bench.BASELINE, "gta", "rayrope, encoded_dim=48"]
     assert float(rows[1][2]) == 1.0
     assert "2 views at 32px" in (tmp_path / "multiview_speed.md").read_text()
 
