@@ -20,6 +20,7 @@ The table printed is also written to ``<--out>/memory.md`` and ``memory.csv`` (d
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import subprocess
@@ -70,6 +71,19 @@ def worker(scheme: str, size: int, batch: int, model_size: str, threads: int) ->
     return {"scheme": scheme, "growth_mb": peak - before, "seconds": seconds}
 
 
+def previous_rows(out: Path, schemes: list[str] | None) -> tuple[dict[str, list], str]:
+    """The rows of ``out/memory.csv`` other than timm's and ``schemes``', by scheme, and the first line of
+    ``out/memory.md`` (when and how they were measured), for ``--update``."""
+    csv_path, md_path = out / "memory.csv", out / "memory.md"
+    if not csv_path.is_file() or not md_path.is_file():
+        sys.exit(f"--update needs a previous memory.csv and memory.md in {out}")
+    with open(csv_path, newline="") as f:
+        table = list(csv.reader(f))
+    skip = {REFERENCE, *(schemes or [])}
+    rows = {r[0]: [r[0], *(float(v) if v else None for v in r[1:4]), r[4]] for r in table[1:] if r[0] not in skip}
+    return rows, md_path.read_text().splitlines()[0].removeprefix("Measured ")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", type=int, default=1024, help="image side in pixels (1024 -> 4096 patches)")
@@ -79,6 +93,11 @@ def main() -> None:
     parser.add_argument("--schemes", nargs="*", help="scheme names (default: visionpe.list_schemes())")
     parser.add_argument("--target", type=float, default=1.5, help="ratio to flag as exceeded")
     parser.add_argument("--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of memory.md and .csv ({DEFAULT_OUT})")
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="measure --schemes (and timm) again and keep the other rows of <out>/memory.csv from its last run",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     for name in ("size", "batch", "threads"):
@@ -92,6 +111,9 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, args.size, args.batch, args.model, args.threads)))
         return
+    kept = previous_rows(Path(args.out), args.schemes) if args.update else ({}, "")
+    if args.update and not args.schemes:
+        parser.error("--update re-measures the schemes named by --schemes; name at least one")
 
     if args.schemes:
         schemes = args.schemes
@@ -131,19 +153,26 @@ def main() -> None:
     print(f"\n{setting}\n")
     print("| scheme | peak MB | ratio vs timm | forward s |\n|---|---:|---:|---:|")
     rows = []
+    rows_by_scheme = dict(kept[0])
     for scheme, res in results.items():
         if "error" in res:
             print(f"| {scheme} | error: {res['error']} | | |")
-            rows.append([scheme, None, None, None, f"error: {res['error']}"])
+            rows_by_scheme[scheme] = [scheme, None, None, None, f"error: {res['error']}"]
             continue
         ratio = res["growth_mb"] / ref if ref else float("nan")
         flag = "" if scheme == REFERENCE or ratio <= args.target else f" (> {args.target}x)"
         print(f"| {scheme} | {res['growth_mb']:.0f} | {ratio:.2f}{flag} | {res['seconds']:.1f} |")
-        rows.append([scheme, res["growth_mb"], ratio, res["seconds"], flag.strip(" ()")])
+        rows_by_scheme[scheme] = [scheme, res["growth_mb"], ratio, res["seconds"], flag.strip(" ()")]
+    rows = [rows_by_scheme[REFERENCE]] + [rows_by_scheme[s] for s in sorted(rows_by_scheme) if s != REFERENCE]
     notes = (
         f"{setting}, {args.threads} thread(s); each model in its own process; ratio = scheme / timm "
         f"vit_{args.model}_patch16_224, noted when above the {args.target}x target."
     )
+    if args.update:
+        notes += (
+            f" Rows measured by this command: timm, {', '.join(args.schemes)}; the other rows (ratios against that "
+            f"run's timm) are from the previous table: {kept[1]}"
+        )
     columns = ["scheme", "peak MB", "ratio vs timm", "forward s", "note"]
     formats = {"peak MB": ".0f", "ratio vs timm": ".2f", "forward s": ".1f"}
     paths = write_results("memory", rows, columns, out_dir=args.out, notes=notes, formats=formats)

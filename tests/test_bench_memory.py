@@ -27,3 +27,25 @@ def test_small_run_writes_its_table(monkeypatch, capsys, tmp_path):
     assert table[0] == ["scheme", "peak MB", "ratio vs timm", "forward s", "note"]
     assert [row[0] for row in table[1:]] == ["timm", "rope_axial"] and table[1][2] == "1.00"
     assert [row[1] for row in table[1:]] == [line.split(" | ")[1] for line in printed]
+
+
+def test_update_measures_the_named_schemes_again_and_keeps_the_other_rows(monkeypatch, tmp_path):
+    bench = load_script("bench/memory.py")
+    monkeypatch.setattr(
+        "sys.argv", ["bench/memory.py", "--schemes", "none", "sincos", "--size", "64", "--out", str(tmp_path)]
+    )
+    bench.main()
+    first = (tmp_path / "memory.csv").read_text().splitlines()
+    header = (tmp_path / "memory.md").read_text().splitlines()[0]
+    args = ["--schemes", "sincos", "--update", "--size", "64", "--out", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", ["bench/memory.py", *args])
+    bench.main()
+    with open(tmp_path / "memory.csv", newline="") as f:
+        table = list(csv.reader(f))
+    assert [row[0] for row in table[1:]] == ["timm", "none", "sincos"]
+    assert table[2] == next(line for line in first if line.startswith("none")).split(",")  # kept as it was
+    md = (tmp_path / "memory.md").read_text()
+    assert "Rows measured by this command: timm, sincos" in md and header.removeprefix("Measured ") in md
+    monkeypatch.setattr("sys.argv", ["bench/memory.py", "--update", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        bench.main()

@@ -269,3 +269,18 @@ def test_classifier_training_step_adds_the_weighted_auxiliary_losses(monkeypatch
     # a scheme without losses of its own adds nothing
     plain = Classifier("visionpe_vit_tiny_patch16_224", "learned", None, model_kwargs, num_classes=4)
     assert plain.auxiliary_losses() == {}
+
+
+def test_inference_encodes_positions_in_chunks_with_the_same_vectors(monkeypatch):
+    import visionpe.rotary.seqpe as seqpe_module
+
+    scheme = visionpe.create_pos_embed("seqpe", dim=32, num_heads=2, depth=1).eval()
+    positions = torch.stack(torch.meshgrid(torch.arange(6), torch.arange(7), indexing="ij"), -1).reshape(-1, 2)
+    calls = []
+    forward = scheme.encoder.forward
+    monkeypatch.setattr(scheme.encoder, "forward", lambda digits: calls.append(len(digits)) or forward(digits))
+    monkeypatch.setattr(seqpe_module, "_ENCODE_CHUNK", 16)
+    with torch.no_grad():
+        chunked = scheme.encode(positions.float())
+    assert calls == [16, 16, 10]
+    torch.testing.assert_close(chunked, scheme.encode(positions.float()), atol=1e-6, rtol=1e-6)

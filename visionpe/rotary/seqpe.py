@@ -57,6 +57,8 @@ __all__ = ["SeqPE", "SeqPEEncoder", "SeqPEState", "SeqPEModulation", "pos2seq", 
 _DEFAULT_TRAIN_GRID = (14, 14)  # 224 px at patch 16, when the model does not say
 _SHIFT_SEED = 0  # the pre-drawn shift origins come from this seed, so every run (and a resumed one) has the same ones
 _CACHE_SIZE = 8  # grids whose position vectors are kept in evaluation mode
+#: positions the PE network encodes at once when autograd does not record it (1024 px ViT-S: 4,096 patches)
+_ENCODE_CHUNK = 512
 
 
 def max_digits_for(pe_max_position: int) -> int:
@@ -367,7 +369,10 @@ class SeqPE(RotaryPositionEncoding):
         digits = pos2seq(positions, self.max_digits)
         flat = digits.reshape(-1, digits.shape[-1])
         with torch.autocast(flat.device.type, enabled=False):
-            vectors = self.encoder(flat)
+            if torch.is_grad_enabled() or flat.shape[0] <= _ENCODE_CHUNK:
+                vectors = self.encoder(flat)
+            else:  # no autograd: a few positions at a time, so the MLP's activations of every position never coexist
+                vectors = torch.cat([self.encoder(chunk) for chunk in flat.split(_ENCODE_CHUNK)])
         return vectors.reshape(*positions.shape[:-1], -1)
 
     # -- forward ----------------------------------------------------------------------------------------------------
