@@ -85,7 +85,7 @@ class FIRE(BiasPositionEncoding):
     #: grids up to this many tokens cache their full (N, N) offset index per forward (4 MB at 1024 tokens)
     full_state_max_tokens: int = 1024
     #: query rows are evaluated in pieces whose fp32 (rows, N, mlp_width) hidden layer fits this many bytes
-    hidden_chunk_bytes: int = 64 * 2**20
+    hidden_chunk_bytes: int = 16 * 2**20
 
     def __init__(
         self,
