@@ -27,12 +27,12 @@ def test_unknown_option_and_bad_dims():
         visionpe.create_pos_embed("rope_axial", dim=64, num_heads=2, depth=0)
 
 
-# Position parameters that keep weight decay: CPE's conv kernels (CPVT excludes only their biases), the MLP of
-# the learnable Fourier features and of FIRE (ordinary layers; only the frequencies W_r, and FIRE's c and threshold,
-# are excluded), the linear maps from the block's tokens of PaPE, PaPE-RI and Cable (ordinary layers, as q/k/v), and
-# SeqPE's per-block Linear(C, 2C) from its position vectors to the q/k multipliers (part of the ViT in the reference).
+# Position parameters that keep weight decay (CPE's PEGs are excluded whole, kernels and biases, as in the released
+# Twins / CPVT code): the MLP of the learnable Fourier features and of FIRE (ordinary layers; only the frequencies
+# W_r, and FIRE's c and threshold, are excluded), the linear maps from the block's tokens of PaPE, PaPE-RI and Cable
+# (ordinary layers, as q/k/v), and SeqPE's per-block Linear(C, 2C) from its position vectors to the q/k multipliers
+# (part of the ViT in the reference).
 DECAYED_POSITION_PARAMETERS = {
-    "cpe": {"pegs.0.proj.weight"},
     "fourier": {"encoder.mlp.0.weight", "encoder.mlp.2.weight"},
     "fire": {"fc1_weight", "fc2_weight"},
     "pape": {"ab"},

@@ -127,3 +127,31 @@ def test_model_forward_backward(size, bf16, gap):
     out.float().sum().backward()
     for name, param in model.pos_schemes.named_parameters():
         assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+def test_init_and_weight_decay_follow_the_released_code():
+    """Kernel ~ N(0, 2 / fan_out), fan_out = k * k * C_out / groups = k^2 (std sqrt(2/9) for 3 x 3), bias 0; the
+    whole PEG (kernels and biases) is kept out of weight decay, as the released Twins / CPVT code does."""
+    torch.manual_seed(0)
+    big = PositionEncodingGenerator(4096, kernel_size=3)  # 36,864 kernel weights
+    weight = big.proj.weight.detach()
+    assert abs(weight.std().item() - (2 / 9) ** 0.5) < 0.01 and abs(weight.mean().item()) < 0.01
+    assert torch.equal(big.proj.bias.detach(), torch.zeros(4096))
+    five = PositionEncodingGenerator(1024, kernel_size=5)
+    assert abs(five.proj.weight.detach().std().item() - (2 / 25) ** 0.5) < 0.01
+    model = timm.create_model(
+        "visionpe_vit_tiny_patch16_224",
+        pos_embed="cpe",
+        depth=3,
+        img_size=32,
+        pos_embed_kwargs={"insert_after": (0, 2)},
+    )
+    pegs = {n for n, _ in model.named_parameters() if n.startswith("pos_schemes.cpe.")}
+    assert pegs == {f"pos_schemes.cpe.pegs.{i}.proj.{p}" for i in range(2) for p in ("weight", "bias")}
+    assert pegs <= model.no_weight_decay()
+    # timm's optimizer factory then decays none of them
+    from timm.optim import create_optimizer_v2
+
+    optimizer = create_optimizer_v2(model, opt="adamw", lr=1e-3, weight_decay=0.05)
+    decayed = {id(p) for group in optimizer.param_groups if group["weight_decay"] > 0 for p in group["params"]}
+    assert not any(id(p) in decayed for n, p in model.named_parameters() if n in pegs)

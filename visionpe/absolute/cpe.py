@@ -3,10 +3,14 @@
 Position Encoding Generator on the patch tokens X (B, C, H, W): X <- DWConv3x3(X) + X (groups = C, stride 1,
 zero padding 1, bias; no norm, no activation); prefix tokens pass through. Zero padding is the only source of
 absolute position. Placed after block 0 (CPVT default) or after blocks 0..4 ("0-5"), one PEG per position.
+Initialisation and weight decay follow the authors' released code (CPVT's Twins, and timm's Twins port): the
+depthwise kernel ~ N(0, 2 / fan_out) with fan_out = k * k * C_out / groups = k^2 (std sqrt(2/9) for 3 x 3), the
+bias 0, and every PEG parameter, kernel and bias, excluded from weight decay.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 
@@ -26,6 +30,9 @@ class PositionEncodingGenerator(nn.Module):
     Args:
         dim: channels C.
         kernel_size: odd kernel size (3 in the paper); padding keeps the grid size.
+
+    Kernel ~ N(0, 2 / fan_out), fan_out = kernel_size^2 * C / groups = kernel_size^2 (He's fan-out rule, as the
+    released code), bias 0.
     """
 
     def __init__(self, dim: int, kernel_size: int = 3) -> None:
@@ -35,6 +42,9 @@ class PositionEncodingGenerator(nn.Module):
         if kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be a positive odd int, got {kernel_size!r}")
         self.proj = nn.Conv2d(dim, dim, kernel_size, stride=1, padding=kernel_size // 2, groups=dim, bias=True)
+        fan_out = kernel_size * kernel_size * dim // dim  # k * k * out_channels / groups
+        nn.init.normal_(self.proj.weight, mean=0.0, std=math.sqrt(2.0 / fan_out))
+        nn.init.zeros_(self.proj.bias)
 
     def forward(self, x: torch.Tensor, grid_size: tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
         """``x`` (B, P + H W, C) -> same shape; the first P tokens are returned unchanged."""
@@ -121,5 +131,6 @@ class PEG(AbsolutePositionEncoding):
         return {f"pegs.{j}": block for j, block in enumerate(self.insert_after)}
 
     def no_weight_decay(self) -> set[str]:
-        """The conv biases (CPVT excludes them from weight decay)."""
-        return {f"pegs.{i}.proj.bias" for i in range(len(self.pegs))}
+        """Every PEG parameter, kernels and biases: the released code (Twins' ``no_weight_decay`` lists every
+        ``pos_block`` parameter, as timm's Twins does) keeps the whole generator out of weight decay."""
+        return {f"pegs.{name}" for name, _ in self.pegs.named_parameters()}

@@ -5,6 +5,9 @@ For positions X (N, G, M): F = |F|^(-1/2) [cos(X W_r^T) || sin(X W_r^T)], W_r in
 trained; Y = GELU(F W_1 + B_1) W_2 + B_2 per group (output D / G each), concatenated over groups to (N, D)
 and added to the patch tokens like an absolute PE (prefix tokens get none). Image patches use G = 1 group of
 M = 2 coordinates (M = 3 for video), ``normalized`` coordinates by default, so a larger grid interpolates.
+[reading] The paper's N(0, gamma^-2) is read as a variance: W_r = randn / gamma, std 1/gamma (10 for the default
+gamma = 0.1). Widely copied implementations use other scales, most often ``normal_(std=gamma ** -2)`` (std 100 for
+gamma = 0.1, 10x the frequencies); pass ``gamma`` to match one of them (gamma' = gamma^2 gives std gamma^-2).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ class LearnableFourierFeatures(nn.Module):
         num_groups: G.
         fourier_dim: |F| (even).
         hidden_dim: |H|, the MLP hidden width.
-        gamma: W_r ~ N(0, gamma^-2); smaller gamma means higher frequencies.
+        gamma: W_r ~ N(0, gamma^-2), read as the variance (std 1/gamma; see the module docstring for the std
+            gamma^-2 of widely copied implementations); smaller gamma means higher frequencies.
     """
 
     def __init__(
