@@ -527,3 +527,36 @@ def test_model_ntk_and_yarn_switch_at_evaluation_and_train(name):
     scheme = m.pos_schemes[name]
     grads = [p.grad for p in scheme.parameters()]
     assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_time_norm_spatial_divides_frames_by_the_width_as_the_reference(cls):
+    """The reference code's 3D positions: (f + 0.5) / n_side for the frame too (its grids are square); visionpe's
+    default divides it by the frame count. time_norm='spatial' gives the reference's t, and the rotation of each
+    token is the explicit blockdiag exp(sum_a x_a A_a) at those positions."""
+    torch.manual_seed(0)
+    grid = (2, 3, 5)  # (T, H, W), non-square
+    t, y, x = torch.meshgrid(*(torch.arange(n, dtype=torch.float32) for n in grid), indexing="ij")
+    expected = torch.stack(((t + 0.5) / 5, (y + 0.5) / 3, (x + 0.5) / 5), -1).reshape(-1, 3)
+    spatial = cls(64, 2, depth=1, block_size=4, ndim=3, time_norm="spatial")
+    default = cls(64, 2, depth=1, block_size=4, ndim=3)
+    default.load_state_dict(spatial.state_dict())
+    torch.testing.assert_close(spatial.coords(grid), expected)
+    torch.testing.assert_close(default.coords(grid), expected * torch.tensor([5 / 2, 1.0, 1.0]))
+    q = torch.randn(1, 2, 30, 32, dtype=torch.float64)
+    generators = spatial.generators(0).double()  # (h, m, ndim, b, b)
+    exponent = torch.einsum("na,hmaij->hnmij", expected.double(), generators)
+    rot = torch.linalg.matrix_exp(exponent.contiguous())  # (h, N, m, b, b)
+    naive = (rot @ q.view(1, 2, 30, 8, 4, 1)).flatten(-3)
+    got = spatial.rotate(q.float(), spatial.coords(grid))
+    torch.testing.assert_close(got.double(), naive, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(default.rotate(q.float(), default.coords(grid)).double(), naive, atol=1e-3)
+    # the prefix sits at the reference's cls_position 0.5 on every axis, the time axis included
+    torch.testing.assert_close(spatial.prefix_coords(1, expected, grid), torch.full((1, 3), 0.5))
+    # with the training grid: the time axis is divided by the training width
+    train = cls(64, 2, ndim=3, block_size=4, time_norm="spatial", pos_norm="train_grid", grid_size=(2, 3, 4))
+    torch.testing.assert_close(train.coords((4, 3, 8))[1::24, 0], (torch.arange(4.0) + 0.5) / 4)
+    with pytest.raises(ValueError, match=r"time_norm='spatial' normalises the time axis of a 3D .* got ndim=2"):
+        cls(64, 2, time_norm="spatial")
+    with pytest.raises(ValueError, match=r"time_norm must be one of \('frames', 'spatial'\), got 'width'"):
+        cls(64, 2, ndim=3, time_norm="width")

@@ -67,6 +67,9 @@ class ComRoPEAP(ComRoPEBase):
             0 (default) turns it off. Both are finite non-negative numbers (:meth:`augment`).
         rotate_values: rotary value embeddings (RoVE): v_j -> R(x_j) v_j and o_i -> R(x_i)^T o_i, exactly relative
             (:mod:`visionpe.rotary.lie_base`); False by default.
+        time_norm: 3D grids only: ``frames`` (default, t = (f + 0.5) / T) or ``spatial`` (t = (f + 0.5) / W, the
+            reference code's convention: it divides the frame index by the spatial side); see
+            :mod:`~visionpe.rotary.comrope_base`.
     """
 
     def init_generators(self) -> None:

@@ -1,6 +1,12 @@
 """What ComRoPE-AP and ComRoPE-LD share (Yu et al., "ComRoPE: Scalable and Robust Rotary Position Embedding
 Parameterized by Trainable Commuting Angle Matrices", CVPR 2025): options, positions, prefix handling, the
 training augmentations and the eigenfrequency rescaling for extrapolation. See :mod:`.comrope_ap` for the scheme.
+
+Video grids (t, y, x): every axis is normalised by its own count, t by the number of frames, (f + 0.5) / T
+(``time_norm='frames'``, the default) [visionpe]. The reference code divides the frame index by the spatial side
+instead, (f + 0.5) / n_side, the same divisor as y and x on its square grids; ``time_norm='spatial'`` does that
+(the side is the grid's width W, or the training width with ``pos_norm='train_grid'``). The two differ by the factor
+T / W on the time axis, so a checkpoint trained with the reference's convention needs ``time_norm='spatial'``.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ from .block_rotation import TokenRotations
 from .lie_base import LieBlockRotary
 from .scaling import SCALING_MODES
 
-__all__ = ["ComRoPEBase", "POS_NORMS", "distinct_values"]
+__all__ = ["ComRoPEBase", "POS_NORMS", "TIME_NORMS", "distinct_values"]
 
 POS_NORMS = ("test_grid", "train_grid")
+TIME_NORMS = ("frames", "spatial")
 
 
 def distinct_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,15 +66,23 @@ class ComRoPEBase(LieBlockRotary):
         jitter_std: float = 0.0,
         offset_std: float = 0.0,
         rotate_values: bool = False,
+        time_norm: str = "frames",
     ) -> None:
         if pos_norm not in POS_NORMS:
             raise ValueError(f"pos_norm must be one of {POS_NORMS}, got {pos_norm!r}")
+        if not isinstance(time_norm, str) or time_norm not in TIME_NORMS:
+            raise ValueError(f"time_norm must be one of {TIME_NORMS}, got {time_norm!r}")
+        if time_norm == "spatial" and ndim != 3:
+            raise ValueError(
+                f"time_norm='spatial' normalises the time axis of a 3D (t, y, x) grid, got ndim={ndim!r}; "
+                "leave time_norm='frames' for images"
+            )
         if pos_norm == "train_grid" and grid_size is None:
             raise ValueError("pos_norm='train_grid' needs grid_size (the training grid), got None")
         for name, value in (("init_std", init_std), ("jitter_std", jitter_std), ("offset_std", offset_std)):
             check_float(value, name, min=0, expected="a finite non-negative number")
         check_bool(rotate_prefix, "rotate_prefix")  # bool("no") is True
-        self.pos_norm = pos_norm
+        self.pos_norm, self.time_norm = pos_norm, time_norm
         super().__init__(dim, num_heads, depth, block_size, ndim, grid_size, extrapolation, rotate_values)
         self.rotate_prefix, self.init_std = bool(rotate_prefix), float(init_std)
         self.jitter_std, self.offset_std = float(jitter_std), float(offset_std)
@@ -87,11 +102,20 @@ class ComRoPEBase(LieBlockRotary):
             )
         return super().extrapolation_refusal(mode, train_grid_size)
 
+    def axis_divisors(self, grid_size: Sequence[int]) -> tuple[int, ...]:
+        """The count n_a that divides (i + 0.5) on each axis of ``grid_size`` (the test or the training grid): the
+        axis' own size, except the time axis of a 3D grid with ``time_norm='spatial'``, which takes the width."""
+        sizes = tuple(int(n) for n in grid_size)
+        if self.time_norm == "spatial":
+            sizes = (sizes[-1], *sizes[1:])
+        return sizes
+
     def coords(self, grid_size: tuple[int, ...], device=None) -> torch.Tensor:
         grid_size = self.check_grid(grid_size)
-        if self.pos_norm == "test_grid":
+        if self.pos_norm == "test_grid" and self.time_norm == "frames":
             return grid_coords(grid_size, mode="normalized", device=device)
-        ref = torch.tensor(self.train_grid_size, dtype=torch.float32, device=device)
+        ref_grid = grid_size if self.pos_norm == "test_grid" else self.train_grid_size
+        ref = torch.tensor(self.axis_divisors(ref_grid), dtype=torch.float32, device=device)
         return (grid_coords(grid_size, mode="index", device=device) + 0.5) / ref
 
     def prefix_coords(
@@ -100,16 +124,19 @@ class ComRoPEBase(LieBlockRotary):
         """(num_prefix_tokens, ndim) positions of the prefix tokens, all at the centre of the grid, or None
         (``rotate_prefix=False``: the identity).
 
-        The centre is 0.5 per axis with ``pos_norm='test_grid'``; with ``'train_grid'`` it is n_a / (2 n_train_a)
-        for ``grid_size`` (0.5 on the training grid), or without ``grid_size`` the middle of the extent of
-        ``coords`` (the same for a whole grid).
+        The centre is 0.5 per axis with ``pos_norm='test_grid'`` (the reference's ``cls_position``, the time axis
+        included whatever ``time_norm``); with ``'train_grid'`` it is n_a / (2 d_a) for ``grid_size``, d_a the
+        axis' divisor on the training grid (:meth:`axis_divisors`; 0.5 on the training grid with
+        ``time_norm='frames'``), or without ``grid_size`` the middle of the extent of ``coords`` (the same for a
+        whole grid).
         """
         if not self.rotate_prefix:
             return None
         if self.pos_norm == "test_grid":
             centre = coords.new_full((coords.shape[1],), 0.5)
         elif grid_size is not None:
-            sizes = torch.tensor(tuple(grid_size), dtype=torch.float64) / torch.tensor(self.train_grid_size)
+            divisors = torch.tensor(self.axis_divisors(self.train_grid_size), dtype=torch.float64)
+            sizes = torch.tensor(tuple(grid_size), dtype=torch.float64) / divisors
             centre = (sizes / 2).to(coords)
         elif len(coords):
             centre = (coords.amin(0) + coords.amax(0)) / 2
@@ -134,15 +161,18 @@ class ComRoPEBase(LieBlockRotary):
         return super().prepare(coords, num_prefix_tokens, grid_size)
 
     def cell_sizes(self, coords: torch.Tensor, grid_size: Sequence[int] | None = None) -> torch.Tensor:
-        """(ndim,) width of one grid cell per axis in the units of the positions: 1 / n_train_a with
-        ``pos_norm='train_grid'``, 1 / n_a with ``'test_grid'`` (n from ``grid_size``, or without it the count of
-        distinct values of each axis of ``coords``: the grid side for a whole grid)."""
+        """(ndim,) width of one grid cell per axis in the units of the positions: 1 / d_a, d_a the axis' divisor
+        (:meth:`axis_divisors`) on the training grid with ``pos_norm='train_grid'``, on ``grid_size`` with
+        ``'test_grid'`` (without ``grid_size``, the count of distinct values of each axis of ``coords``: the grid
+        side for a whole grid, the width for the time axis with ``time_norm='spatial'``)."""
         if self.pos_norm == "train_grid":
-            sides = torch.tensor(self.train_grid_size, dtype=torch.float32, device=coords.device)
+            sides = torch.tensor(self.axis_divisors(self.train_grid_size), dtype=torch.float32, device=coords.device)
         elif grid_size is not None:
-            sides = torch.tensor(tuple(grid_size), dtype=torch.float32, device=coords.device)
+            sides = torch.tensor(self.axis_divisors(grid_size), dtype=torch.float32, device=coords.device)
         else:
-            sides = torch.tensor([len(torch.unique(c)) for c in coords.unbind(1)], dtype=torch.float32)
+            sides = torch.tensor(
+                self.axis_divisors([len(torch.unique(c)) for c in coords.unbind(1)]), dtype=torch.float32
+            )
         return 1.0 / sides.to(coords.device).clamp_min(1)
 
     def augment(
@@ -190,8 +220,9 @@ class ComRoPEBase(LieBlockRotary):
         by the NTK or YaRN rule of the current mode for the per-axis ``factors``.
 
         The frequency of plane k of block j along axis a, per grid cell, is |c_aj| omega_k / n0_a (positions are
-        (i + 0.5) / n0_a), which is what :func:`~visionpe.rotary.scaling.scale_frequencies` rescales (NTK's band
-        index per axis, layer and head; YaRN's turns over the training grid). The eigenbasis comes from
+        (i + 0.5) / n0_a, n0_a the axis' divisor on the training grid, :meth:`axis_divisors`), which is what
+        :func:`~visionpe.rotary.scaling.scale_frequencies` rescales (NTK's band index per axis, layer and head;
+        YaRN's turns over the training grid). The eigenbasis comes from
         ``eigh(S^2)`` (S^2 = -S^T S has eigenvalues -omega_k^2), in fp64 and without gradient: as the frequency
         rules do for learned frequencies, the factor phi_a(S^2) is a constant of the backward, and gradients flow
         through S.
@@ -201,7 +232,7 @@ class ComRoPEBase(LieBlockRotary):
             square = skew.detach().double()
             eigvals, basis = torch.linalg.eigh(square @ square)  # (L, h, m, b), columns of basis
             omega = (-eigvals).clamp_min(0).sqrt()  # each plane's frequency twice (and 0 for a fixed direction)
-            cells = torch.tensor(self.train_grid_size, dtype=torch.float64, device=skew.device)
+            cells = torch.tensor(self.axis_divisors(self.train_grid_size), dtype=torch.float64, device=skew.device)
             coeff = self.axis_coefficients().detach().double() / cells[:, None]  # (L | 1, ndim, m)
             freqs = coeff[:, None, :, :, None] * omega[:, :, None]  # (L, h, ndim, m, b)
             ratio = self.frequency_multipliers(freqs.flatten(-2), factors).view_as(freqs)

@@ -41,7 +41,7 @@ class ComRoPELD(ComRoPEBase):
         block_size: b, 8 by default.
         ndim: 2 (y, x) or 3 (t, y, x).
         init_std: P ~ N(0, init_std^2); theta ~ N(0, 1).
-        pos_norm, rotate_prefix, grid_size, extrapolation, jitter_std, offset_std, rotate_values: as
+        pos_norm, rotate_prefix, grid_size, extrapolation, jitter_std, offset_std, rotate_values, time_norm: as
             :class:`~visionpe.rotary.comrope_ap.ComRoPEAP` (prefix tokens rotated at the grid centre by default;
             NTK / YaRN rescale the eigenfrequencies of theta_aj S_j per axis; the augmentations apply in training
             only and are off by default).
