@@ -30,7 +30,9 @@ def circle_rope_design(
     Args:
         alpha: mix of the spatial-angle and grid-angle terms, in [0, 1] (0.5 released).
         radius: circle radius R (10 released) or ``"auto"`` for max |centred coordinate| of each image.
-        image_shift: the k-th image of a sample (k from 0) is shifted by k * image_shift on every row.
+        image_shift: the k-th image of a sample (k from 0) is shifted by k * image_shift on every row. The
+            default 1 is the paper's per-image shift; 0 matches the released code, which places every image after
+            the first as the first one (on its circle around the block start, with no extra shift).
     """
     check_float(alpha, "alpha", min=0, max=1)
     if radius != "auto":
