@@ -6,8 +6,10 @@ by a frequency allocation (which pair or head reads which row; :class:`Multimoda
 """
 
 from .allocation import ALLOCATIONS, Allocation, build_allocation
+from .bipe import BiPESideIndex, bipe_side_index
 from .hope import sample_hope_scale
 from .ids import get_position_ids
+from .ppe_rotary import PPERotary
 from .registry import MULTIMODAL_SCHEMES, MultimodalScheme, get_multimodal_scheme, list_multimodal_schemes
 from .rotary import MultimodalRotary, apply_multimodal_rotary, rotate_half
 from .v2pe import sample_v2pe_delta
@@ -26,4 +28,7 @@ __all__ = [
     "list_multimodal_schemes",
     "sample_v2pe_delta",
     "sample_hope_scale",
+    "bipe_side_index",
+    "BiPESideIndex",
+    "PPERotary",
 ]

@@ -8,6 +8,9 @@ row: pair n rotates by phi_n = theta_n * sum_a mix[n, a] * p_a, theta_n = base^(
 - one-hot rows: the usual choice (M-RoPE chunks, MRoPE-I interleave, VideoRoPE LTA);
 - zero rows: zero frequency, the identity (HoPE's temporal pairs, MHRoPE's unassigned heads);
 - (-1, 1, 1): VRoPE's fourth diagonal variant, formed from the three rows it ships.
+
+PPE's split allocation is the one multi-position allocation: its mix has 3K columns, one per row of ids
+(3K, B, L) that carry K representatives' (t, h, w) (:class:`~visionpe.multimodal.ppe.PPERotary` reads them).
 """
 
 from __future__ import annotations
@@ -29,20 +32,30 @@ __all__ = [
     "vrope_allocation",
     "single_axis_allocation",
     "head_allocation",
+    "ppe_split_allocation",
     "build_allocation",
 ]
 
 
 @dataclass(frozen=True)
 class Allocation:
-    """``mix`` (P, 3) per rotary pair, or (H_kv, 3) per KV head when ``per_head``; entries weight rows t, h, w."""
+    """``mix`` (P, 3) per rotary pair, or (H_kv, 3) per KV head when ``per_head``; entries weight rows t, h, w.
+
+    A multi-position allocation (PPE) has ``mix`` (P, 3K): its columns weight the rows (t_1..t_K, h_1..h_K,
+    w_1..w_K) of ids that carry K positions per token.
+    """
 
     mix: torch.Tensor
     per_head: bool = False
 
     def __post_init__(self) -> None:
-        _check_mix(self.mix)
+        _check_mix(self.mix, multi_position=True)
         check_bool(self.per_head, "per_head")
+
+    @property
+    def positions_per_token(self) -> int:
+        """K: the number of (t, h, w) positions each token carries (1 for every allocation but PPE's split)."""
+        return self.mix.shape[1] // 3
 
     def axis_of(self) -> list[int]:
         """Row read by each pair (or head): its one-hot column, -1 for zero rows, -2 for mixed rows."""
@@ -53,14 +66,26 @@ class Allocation:
         return out
 
 
-def _check_mix(mix: torch.Tensor, name: str = "mix") -> None:
-    """Raise unless ``mix`` is a real (P, 3) tensor, P >= 1, of finite weights: one row per pair (or head)."""
+def _check_mix(mix: torch.Tensor, name: str = "mix", multi_position: bool = False) -> None:
+    """Raise unless ``mix`` is a real (P, 3) tensor, P >= 1, of finite weights: one row per pair (or head).
+
+    ``multi_position``: also accept (P, 3K), K >= 1 (PPE's rows of K positions per token).
+    """
     check_tensor(mix, name, expected="a (P, 3) tensor of finite weights")
     check_tensor(mix, name, dtype="real", expected="an integer or floating point tensor")
-    if mix.ndim != 2 or mix.shape[0] < 1 or mix.shape[1] != 3:
+    columns_ok = mix.ndim == 2 and (
+        mix.shape[1] % 3 == 0 and mix.shape[1] >= 3 if multi_position else mix.shape[1] == 3
+    )
+    if mix.ndim != 2 or mix.shape[0] < 1 or not columns_ok:
+        allowed = " (or (P, 3K) for K positions per token)" if multi_position else ""
+        hint = (
+            "; an allocation of K > 1 positions per token (PPE's split) needs visionpe.multimodal.PPERotary"
+            if not multi_position and mix.ndim == 2 and mix.shape[1] % 3 == 0 and mix.shape[1] > 3
+            else ""
+        )
         raise ValueError(
             f"{name} must be (P, 3), one row per pair (or (H_kv, 3), one per KV head) and at least one, with one "
-            f"column per row t, h, w; got {tuple(mix.shape)}"
+            f"column per row t, h, w{allowed}; got {tuple(mix.shape)}{hint}"
         )
     if mix.is_floating_point() and mix.device.type != "meta" and not torch.isfinite(mix).all():
         raise ValueError(f"{name} must hold finite weights, got NaN or inf in rows {_bad_rows(mix)}")
@@ -175,6 +200,34 @@ def head_allocation(num_kv_heads: int, mrope_section: Sequence[int] | None = Non
     return Allocation(_one_hot(axes), per_head=True)
 
 
+def ppe_split_allocation(
+    num_pairs: int, mrope_section: Sequence[int] = (16, 24, 24), num_representatives: int = 8
+) -> Allocation:
+    """PPE (Huang et al., ICLR 2026): each M-RoPE section is cut into K sub-bands, sub-band k of axis a reading
+    row a K + k of ids (3K, B, L) ordered (t_1..t_K, h_1..h_K, w_1..w_K).
+
+    (16, 24, 24), K = 8 gives sections [2] * 8 + [3] * 8 + [3] * 8: pair n < 16 reads t of representative n // 2,
+    n < 40 h of (n - 16) // 3, the rest w of (n - 40) // 3. When K does not divide every section the released code
+    falls back to sections of one pair each, pair n reading row n mod 3K (for 64 pairs and K = 32: t and h of the
+    32 representatives, no w at all); this is reproduced. K = 1 is M-RoPE's chunked allocation.
+    """
+    _check_pairs(num_pairs)
+    section = _check_section(mrope_section)
+    check_int(num_representatives, "num_representatives", min=1)
+    if sum(section) != num_pairs:
+        raise ValueError(f"mrope_section {section} must sum to num_pairs={num_pairs} (head_dim // 2)")
+    k = num_representatives
+    if all(s % k == 0 for s in section):
+        # section i of the sub-band list reads row i; sub-band k of axis a is the a K + k-th section
+        widths = torch.tensor([s // k for s in section for _ in range(k)])
+        rows = torch.repeat_interleave(torch.arange(3 * k), widths)
+    else:
+        rows = torch.arange(num_pairs) % (3 * k)
+    mix = torch.zeros(num_pairs, 3 * k)
+    mix[torch.arange(num_pairs), rows] = 1.0
+    return Allocation(mix)
+
+
 ALLOCATIONS: dict[str, Callable[..., Allocation]] = {
     "chunked": chunked_allocation,
     "interleaved": interleaved_allocation,
@@ -183,6 +236,7 @@ ALLOCATIONS: dict[str, Callable[..., Allocation]] = {
     "vrope": vrope_allocation,
     "single_axis": single_axis_allocation,
     "head": head_allocation,
+    "ppe_split": ppe_split_allocation,
 }
 
 

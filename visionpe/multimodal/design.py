@@ -4,7 +4,8 @@ The decomposition follows Huang et al., "Revisiting Multimodal Positional Encodi
 Models" (ICLR 2026): a scheme is a *position design* (this module and the per-scheme files) followed by a
 *frequency allocation* (:mod:`visionpe.multimodal.allocation`).
 
-Every design here shares one vectorised skeleton. Text advances a cursor by 1 per token; visual block ``g``
+Every design here shares one vectorised skeleton. Text advances a cursor by 1 per token (or by the design's
+``text_advance``: BiPE's text advances only after a separator); visual block ``g``
 (one row of a grid tensor) advances it by ``advance[g]``. With ``cursor`` the exclusive cumulative sum of these
 increments along the sequence, a text token sits at ``cursor`` on every row and a visual token at
 ``cursor + local`` (rows the design anchors) or at ``local`` (rows it does not, e.g. MRoPE-I's spatial
@@ -131,6 +132,8 @@ class DesignOutput:
     float64. ``anchored``: per row, whether it adds the block's start cursor. ``delta_rows``: the rows whose
     maximum + 1 may lift the next decoding position above the final cursor (a video's time row under
     transformers 5.x's continuation). ``integer``: whether the ids are integral (returned as int64; else float64).
+    ``text_advance``: (B, L) cursor advance of each text token, or None for 1 per text token (every design but
+    BiPE, whose text advances only after a separator); entries at visual and padded tokens are ignored.
     """
 
     local: torch.Tensor
@@ -138,6 +141,7 @@ class DesignOutput:
     anchored: tuple[bool, ...] = (True, True, True)
     delta_rows: tuple[int, ...] = (0, 1, 2)
     integer: bool = True
+    text_advance: torch.Tensor | None = None
 
 
 def block_max_plus_one(layout: VisualLayout, local: torch.Tensor) -> torch.Tensor:
@@ -367,7 +371,10 @@ def assemble_positions(
     local = design.local.round().long() if integer and design.local.is_floating_point() else design.local.to(dtype)
     advance = design.advance.round().long() if integer and design.advance.is_floating_point() else design.advance
     advance = advance.to(dtype)
-    inc = layout.is_text.to(dtype).view(-1)
+    inc = layout.is_text.to(dtype)
+    if design.text_advance is not None:
+        inc = inc * design.text_advance.to(dtype)
+    inc = inc.reshape(-1)
     inc.index_copy_(0, layout.flat.index_select(0, layout.block_last), advance)
     inc = inc.view(batch_size, seq_len)
     total = inc.cumsum(1)

@@ -14,11 +14,14 @@ from functools import cache
 from typing import Any
 
 from ..checks import check_instance
+from .bipe import bipe_design
 from .circle_rope import circle_rope_design
 from .design import DesignOutput, VisualLayout
 from .hope import hope_design
 from .mrope import mrope_abs_time_design, mrope_design
 from .mrope_interleaved import mrope_interleaved_design
+from .ppe import ppe_design
+from .rope_dhr import rope_dhr_design
 from .v2pe import v2pe_design
 from .videorope import videorope_design
 from .vrope import vrope_design
@@ -76,6 +79,9 @@ MULTIMODAL_SCHEMES: dict[str, MultimodalScheme] = {
         MultimodalScheme("videorope", videorope_design, "lta", {"mrope_section": (16, 24, 24)}, "VideoRoPE"),
         MultimodalScheme("hope", hope_design, "hope", {"mrope_section": (16, 24, 24)}, "HoPE (Li et al. 2025)"),
         MultimodalScheme("circle_rope", circle_rope_design, "chunked", {"mrope_section": (16, 24, 24)}, "Circle-RoPE"),
+        MultimodalScheme("rope_dhr", rope_dhr_design, "single_axis", {}, "RoPE-DHR (CoMemo, Liu et al. 2025)"),
+        MultimodalScheme("bipe", bipe_design, "single_axis", {}, "BiPE (He et al. 2024)"),
+        MultimodalScheme("ppe", ppe_design, "chunked", {"mrope_section": (16, 24, 24)}, "PPE (Huang et al. 2026)"),
     )
 }
 
