@@ -6,6 +6,14 @@ Not exactly relative for b >= 3 with two or more axes (the A_i do not commute); 
 Positions are integer patch indices (`index`); prefix tokens are not rotated [visionpe].
 Init raw ~ U[0, 1) * 2 pi as the reference, which feeds positions in [0, 1] over the training grid; with integer
 positions the same rotations need raw ~ U[0, 1) * 2 pi / (n0 - 1), the default ``init_scale`` [visionpe].
+
+Released code (StanfordMIMI/LieRE), for its checkpoints: its transformer loop overwrites the per-layer transforms
+with layer 0's slice on the first layer, so a model trained with ``rotary_embedding_per_layer=True`` computes with
+layer 0's generators in every layer (its later layers' generators are never used); visionpe's per-layer generators
+are used as the paper describes, and :func:`~visionpe.models.official.convert_liere_state_dict` copies layer 0's
+generators to every layer to reproduce a released checkpoint. Its block size (``generator_dim``) defaults to 64,
+which its CIFAR-100 recipe keeps (dense generators for 64-wide heads, LieRE_64), and which its released ImageNet
+configs do not set either; the paper's best block, b = 8, is visionpe's default.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ class LieRE(LieBlockRotary):
 
     Args:
         dim, num_heads, depth: model shape; generators per block and head.
-        block_size: b (2, 4, 8, ..., head_dim); 8 by default.
+        block_size: b (2, 4, 8, ..., head_dim); 8 by default (the paper's best; the released code's default is 64).
         ndim: 2 for images (y, x), 3 for video (t, y, x).
         init_scale: raw ~ U[0, 1) * init_scale; None: 2 pi / (n0 - 1), n0 the largest training grid side
             (2 pi / 13 when the grid is unknown).
