@@ -5,6 +5,9 @@ pretrained timm ViT, load its state dict with :func:`visionpe.load_timm_state_di
 through ``pretrained=True, pretrained_cfg_overlay={"file": path}`` (converted the same way; a visionpe checkpoint
 must carry exactly the model's position schemes). ``features_only=True`` works as for timm's ViT (per-block
 (B, C, H, W) maps through ``forward_intermediates``, the last 3 blocks unless ``out_indices`` says otherwise).
+
+To keep a pretrained timm model and change its position encoding in place (EVA-02, DINOv3, timm's RoPE ViTs, any
+``VisionTransformer``), use :func:`apply_position_scheme` (:mod:`visionpe.integrations.timm_swap`).
 """
 
 from __future__ import annotations
@@ -16,8 +19,17 @@ from ..models.convert import convert_timm_state_dict
 from ..models.multiview_vit import MultiViewViT
 from ..models.video_vit import VideoPEViT
 from ..models.vit import VisionPEViT
+from .timm_swap import SwapReport, VisionPEEva, apply_position_scheme, own_position_scheme
 
-__all__ = ["VisionPEViT", "VideoPEViT", "MultiViewViT"]
+__all__ = [
+    "VisionPEViT",
+    "VideoPEViT",
+    "MultiViewViT",
+    "VisionPEEva",
+    "SwapReport",
+    "apply_position_scheme",
+    "own_position_scheme",
+]
 
 _SIZES = {
     "tiny": dict(embed_dim=192, depth=12, num_heads=3),
