@@ -554,9 +554,9 @@ def convert_liere_state_dict(
     if grid is None:
         raise ValueError("the model's liere scheme needs its training grid (grid_size) to rescale the positions")
     layer0 = raw[:, 0].reshape(ndim, -1, m, b, b).expand(ndim, heads, m, b, b).float()  # (ndim, h, m, b, b)
-    rows, cols = torch.triu_indices(b, b, 1)
+    rows, cols = torch.triu_indices(b, b, 1, device=raw.device)
     entries = layer0[..., rows, cols]  # (ndim, h, m, b (b - 1) / 2)
-    steps = torch.tensor([max(n - 1, 1) for n in grid], dtype=torch.float32)
+    steps = torch.tensor([max(n - 1, 1) for n in grid], dtype=torch.float32, device=raw.device)
     entries = entries / steps[:, None, None, None]
     params = entries.permute(1, 2, 0, 3).unsqueeze(0).expand(depth, -1, -1, -1, -1).contiguous()
     positions = {"pos_schemes.liere.generator_params": params}
@@ -569,14 +569,16 @@ def convert_liere_state_dict(
                 new = re.sub(pattern, replacement, name)
                 break
         if new == "patch_embed.proj.weight" and value.ndim == 2:
-            kernel = model.patch_embed.proj.weight
-            out_dim, channels, ph, pw = kernel.shape
-            if tuple(value.shape) != (out_dim, channels * ph * pw):
+            kernel = model.patch_embed.proj.weight  # (dim, c, p1, p2), or (dim, c, p1, p2, p3) for video
+            out_dim, channels, *patch = kernel.shape
+            size = channels * math.prod(patch)
+            if tuple(value.shape) != (out_dim, size):
                 raise ValueError(
-                    f"{name!r} in the LieRE state dict has shape {tuple(value.shape)}, expected "
-                    f"({out_dim}, {channels * ph * pw}) for the model's {ph}x{pw} patches of {channels} channels"
+                    f"{name!r} in the LieRE state dict has shape {tuple(value.shape)}, expected ({out_dim}, {size}) "
+                    f"for the model's {'x'.join(map(str, patch))} patches of {channels} channels"
                 )
-            value = value.reshape(out_dim, ph, pw, channels).permute(0, 3, 1, 2)  # (p1 p2 c) -> (c, p1, p2)
+            # a Linear on (p1 p2 [p3] c)-flattened patches -> the Conv kernel (c, p1, p2 [, p3])
+            value = value.reshape(out_dim, *patch, channels).movedim(-1, 1)
         elif name == "pos_embedding":
             if not value.any():  # the zero, frozen table of a run without absolute encodings
                 zero_table = True
