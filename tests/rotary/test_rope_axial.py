@@ -174,3 +174,15 @@ def test_apply_checks_layer_and_token_count(name):
     ):
         scheme.apply(qk[..., :11, :], state, 1)
     assert scheme.apply(qk, state, 1).shape == qk.shape
+
+
+def test_coord_offset_grid_inferred_for_extrapolation():
+    """rotate() without grid_size reads the grid off index coordinates; with coord_offset the offset is taken off
+    first, so the scaling matches the model path that passes the grid."""
+    rope = visionpe.create_pos_embed(
+        "rope_axial", dim=32, num_heads=2, coord_offset=1.0, grid_size=(3, 5), extrapolation="pi"
+    )
+    coords = rope.coords((6, 10))
+    x = torch.randn(2, 2, 60, 16)
+    torch.testing.assert_close(rope.rotate(x, coords), rope.rotate(x, coords, grid_size=(6, 10)))
+    assert not torch.allclose(rope.rotate(x, coords), rope.rotate(x, coords, grid_size=(7, 11)))

@@ -120,6 +120,13 @@ class RopeAxial(LinearRotary):
             coords = coords * torch.tensor(ratios, device=coords.device)
         return coords
 
+    def rotation_grid_size(self, coords: torch.Tensor, grid_size: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """As the base class, with ``coord_offset`` taken off integer coordinates before the grid is read off them
+        (:meth:`coords` of an n-cell axis ends at n - 1 + o, not n - 1)."""
+        if grid_size is None and self.coord_offset and self.coord_mode == "index":
+            coords = coords - self.coord_offset
+        return super().rotation_grid_size(coords, grid_size)
+
     def _apply(self, fn, *args, **kwargs):
         module = super()._apply(fn, *args, **kwargs)
         # model.to(bfloat16) casts every floating buffer; fixed frequencies are rebuilt in fp32 (angles grow with
