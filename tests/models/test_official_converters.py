@@ -211,8 +211,14 @@ def test_rope_vit_bad_checkpoints_name_the_key():
     axial = _model("rope_axial", init_values=1e-4, pos_embed_kwargs={"base": 100.0})
     with pytest.raises(ValueError, match="holds RoPE-Mixed's learned frequencies"):
         convert_rope_vit_state_dict({"freqs": torch.zeros(2, 2, 16)}, axial)
-    with pytest.raises(ValueError, match=r"base=100 .* got ndim=2, base=10.0"):
+    with pytest.raises(ValueError, match=r"base=100, .* got ndim=2, base=10.0"):
         convert_rope_vit_state_dict({}, _model("rope_axial", pos_embed_kwargs={"base": 10.0}))
+    with pytest.raises(ValueError, match="axis_order='xy' and no coord_offset: .* axis_order='yx'"):
+        convert_rope_vit_state_dict({}, _model("rope_axial", pos_embed_kwargs={"axis_order": "yx"}))
+    with pytest.raises(ValueError, match="build rope_mixed with coord_mode='index', got coord_mode='normalized'"):
+        convert_rope_vit_state_dict(
+            sd, _model("rope_mixed", init_values=1e-4, pos_embed_kwargs={"coord_mode": "normalized"})
+        )
     with pytest.raises(
         ValueError,
         match=r"'pos_embed' .* the rope-vit checkpoint, .* '\+ APE' model, build it with pos_embed=\['learned'",

@@ -194,11 +194,18 @@ def convert_rope_vit_state_dict(
             )
         scheme = model.pos_schemes["rope_axial"]
         expected = (head_dim // 4, head_dim // 4)
-        if scheme.ndim != 2 or scheme.base != 100.0 or tuple(scheme.axis_pairs) != expected:
+        order, offset = getattr(scheme, "axis_order", "xy"), getattr(scheme, "coord_offset", 0.0)
+        if scheme.ndim != 2 or scheme.base != 100.0 or tuple(scheme.axis_pairs) != expected or order != "xy" or offset:
             raise ValueError(
-                f"rope-vit's RoPE-Axial is 2D with base=100 and axis_pairs={expected}: got ndim={scheme.ndim}, "
-                f"base={scheme.base}, axis_pairs={tuple(scheme.axis_pairs)}"
+                f"rope-vit's RoPE-Axial is 2D with base=100, axis_pairs={expected}, axis_order='xy' and no "
+                f"coord_offset: got ndim={scheme.ndim}, base={scheme.base}, axis_pairs={tuple(scheme.axis_pairs)}, "
+                f"axis_order={order!r}, coord_offset={offset!r}"
             )
+    if scheme.coord_mode != "index":
+        raise ValueError(
+            f"rope-vit rotates by integer patch positions: build {rope[0]} with coord_mode='index', got "
+            f"coord_mode={scheme.coord_mode!r}"
+        )
     dropped = [key for key in ("freqs_t_x", "freqs_t_y") if state.pop(key, None) is not None]
     if "pos_embed" in state:
         rebuild = f"a '+ APE' model, build it with pos_embed=['learned', {rope[0]!r}]"
