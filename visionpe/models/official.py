@@ -359,8 +359,9 @@ def _lookhere_slopes(name: str, count: int) -> list[float]:
 def lookhere_scheme_kwargs(config: Mapping[str, Any], num_heads: int) -> dict[str, Any]:
     """Options of the ``lookhere`` scheme for a released LookHere config (``checkpoint["config"]``).
 
-    The config names its head layout as groups of four heads, ``head_directions`` (e.g. ``"halves-diagonals-none"``
-    for LH-180, ``"triangles-corners-none"`` for LH-90, ``"eighths1-eighths2-none"`` for LH-45), with its slopes:
+    The config names its head layout as groups of four heads, ``head_directions`` (e.g. ``"halves-diagonals-none"``:
+    the eight LH-180 half-planes and four undirected heads; ``"triangles-corners-none"`` the LH-90 quadrants,
+    ``"eighths1-eighths2-none"`` the LH-45 octants), with its slopes:
     ``global_slope`` s_g, ``layer_slopes`` (first, last) of s_l = linspace(first, last, depth). Each head's view
     and slope s_h follow the released code: a directed group's heads take s_h = 1/2 (the next four of a run of
     the same group 1/4, ...), undirected heads 1/4, 1/16, 1/64, 1/256. Returns ``variant`` (the directed heads'
