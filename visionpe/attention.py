@@ -141,7 +141,11 @@ class PosAttention(Attention):
         # attention's backward, so the chunks keep what the full bias would and only multiply the kernels
         # (ViT-S training at batch 128 on an H200: alibi2d 0.43x -> 0.86x of timm, with a lower peak)
         recorded = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-        chunk = self.query_chunk_rows(B, N) if pos.bias and not is_causal and pos.keep is None and not recorded else N
+        # a symbolic token count (export at any image size) runs in one piece: a graph cannot loop over a number of
+        # chunks known only when it runs, and comparing chunk and N would fix the traced image size
+        symbolic = isinstance(N, torch.SymInt)
+        chunking = pos.bias and not is_causal and pos.keep is None and not recorded and not symbolic
+        chunk = self.query_chunk_rows(B, N) if chunking else N
         if chunk >= N:
             return self._attend(q, k, v, pos, attn_mask, is_causal, None, tokens)
         # a mask with one row per query is cut like the bias; a broadcast row is shared by every chunk
