@@ -53,6 +53,7 @@ __all__ = [
     "CoordAugment",
     "grid_coords",
     "grid_rows",
+    "is_symbolic_grid",
     "prefix_mask",
     "randomized_coords",
     "randomized_positions",
@@ -108,6 +109,12 @@ def validate_grid_size(grid_size: Sequence[int], name: str = "grid_size", ndims:
         raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} entries, got {len(grid_size)}: {grid_size}")
     out = []
     for i, g in enumerate(grid_size):
+        if isinstance(g, torch.SymInt):
+            # a symbolic size (torch.export / ONNX export with dynamic height and width): kept symbolic, so that
+            # the exported graph runs at any grid; operator.index or a Python branch would fix its traced value
+            torch._check(g >= 1, lambda i=i: f"{name}[{i}] must be a positive int")
+            out.append(g)
+            continue
         value = g
         if not isinstance(g, int):  # Python ints (and sizes traced by torch.compile) pass as they are
             try:
@@ -117,6 +124,20 @@ def validate_grid_size(grid_size: Sequence[int], name: str = "grid_size", ndims:
                 pass
         out.append(check_int(value, f"{name}[{i}]", min=1, expected="positive", type_expected="an int"))
     return tuple(out)
+
+
+def is_symbolic_grid(grid_size: Sequence[int]) -> bool:
+    """True when an entry of ``grid_size`` is a symbolic size (``torch.SymInt``: ``torch.export`` or ONNX export
+    with dynamic height and width), whose value is known only when the exported graph runs.
+
+    Schemes then take the path that holds at every grid: no early return when the grid equals the training grid
+    (comparing would fix the traced value), no cache keyed by the grid.
+
+    Example:
+        >>> is_symbolic_grid((14, 14))
+        False
+    """
+    return any(isinstance(g, torch.SymInt) for g in grid_size)
 
 
 def _axis(n: int, mode: str, n_ref: int | None, device) -> torch.Tensor:

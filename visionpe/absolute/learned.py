@@ -14,7 +14,7 @@ from torch import nn
 
 from ..base import AbsolutePositionEncoding
 from ..checks import check_choice, check_int
-from ..grid import validate_grid_size
+from ..grid import is_symbolic_grid, validate_grid_size
 from ..registry import register_scheme
 
 __all__ = ["LearnedPosEmbed"]
@@ -60,9 +60,12 @@ class LearnedPosEmbed(AbsolutePositionEncoding):
         self.pos_embed = nn.Parameter(trunc_normal_(torch.zeros(1, num_rows, dim), std=0.02))
 
     def resampled(self, grid_size: tuple[int, int]) -> torch.Tensor:
-        """The table for ``grid_size``: (1, P_e + H W, C); the same tensor when the grid is unchanged."""
+        """The table for ``grid_size``: (1, P_e + H W, C); the same tensor when the grid is unchanged.
+
+        A symbolic grid (export with dynamic height and width) is always resampled, inside the graph, so that the
+        exported model runs at any grid (at the training grid the resampling returns the table up to rounding)."""
         grid_size = self.check_grid(grid_size)
-        if grid_size == self.grid_size:
+        if not is_symbolic_grid(grid_size) and grid_size == self.grid_size:
             return self.pos_embed
         return _resample(
             self.pos_embed,

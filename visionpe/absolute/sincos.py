@@ -14,7 +14,7 @@ from timm.layers import resample_abs_pos_embed
 
 from ..base import AbsolutePositionEncoding
 from ..checks import check_choice, check_positive
-from ..grid import grid_coords, validate_grid_size
+from ..grid import grid_coords, is_symbolic_grid, validate_grid_size
 from ..registry import register_scheme
 
 __all__ = ["SinCosPosEmbed", "sincos_2d"]
@@ -69,9 +69,10 @@ class SinCosPosEmbed(AbsolutePositionEncoding):
         self.grid_size = validate_grid_size(grid_size, ndims=(2,))
 
     def table(self, grid_size: tuple[int, int], device=None) -> torch.Tensor:
-        """(H W, dim) table for ``grid_size``."""
+        """(H W, dim) table for ``grid_size``; a symbolic grid (export with dynamic height and width) resamples
+        inside the graph with ``resize='interpolate'``, even at the training grid."""
         grid_size = self.check_grid(grid_size)
-        if self.resize == "recompute" or grid_size == self.grid_size:
+        if self.resize == "recompute" or (not is_symbolic_grid(grid_size) and grid_size == self.grid_size):
             return sincos_2d(grid_coords(grid_size, device=device), self.dim, self.temperature)
         base = sincos_2d(grid_coords(self.grid_size, device=device), self.dim, self.temperature)
         return resample_abs_pos_embed(

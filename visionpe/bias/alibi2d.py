@@ -24,7 +24,7 @@ from ..checks import check_int
 from ..grid import grid_coords, validate_grid_size
 from ..registry import register_scheme
 from .distance import CoordinateState, coordinate_distances
-from .offsets import DistanceState, GlobalSlope, distance_state, gather_offsets, query_rows
+from .offsets import DistanceState, GlobalSlope, distance_state, gather_offsets, query_rows, span_length
 
 __all__ = ["Alibi2D", "alibi_slopes", "grid_distances"]
 
@@ -101,7 +101,7 @@ class Alibi2D(GlobalSlope, BiasPositionEncoding):
     ) -> torch.Tensor:
         """-s_g m_h ||p_i - p_j||, ``(1, h, R, P + N)`` in the dtype of q; R = P + N or the query ``rows``."""
         n = state.num_tokens
-        num_rows = len(query_rows(rows, n))
+        num_rows = span_length(query_rows(rows, n))
         if q.shape[-2] != num_rows or k.shape[-2] != n or q.shape[1] != self.slopes.numel():
             raise ValueError(
                 f"q and k must have shape (B, {self.slopes.numel()}, {num_rows}, head_dim) and "
@@ -117,4 +117,4 @@ class Alibi2D(GlobalSlope, BiasPositionEncoding):
             distances = coordinate_distances(state, "euclidean", rows)[0].to(compute)
             return (slopes[:, None, None] * distances).to(q.dtype)[None]
         table = (slopes[:, None] * state.table.to(compute)).to(q.dtype)
-        return gather_offsets(table, state.offset_index(query_rows(rows, n), range(n)))[None]
+        return gather_offsets(table, state.offset_index(query_rows(rows, n), query_rows(None, n)))[None]

@@ -9,19 +9,24 @@ coordinate differences. A large grid never holds an (N, N) map; small grids cach
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from ..checks import check_int, check_positive
+from ..grid import is_symbolic_grid
 
 __all__ = [
     "DistanceState",
     "GlobalSlope",
     "OffsetState",
+    "TokenSpan",
     "distance_state",
+    "full_offset_index",
     "gather_offsets",
     "offset_state",
     "query_rows",
+    "span_length",
 ]
 
 
@@ -53,13 +58,40 @@ class GlobalSlope:
         self._global_slope = check_positive(value, "global_slope")
 
 
-def query_rows(rows: slice | None, total: int) -> range:
-    """The query rows a ``rows`` argument names (all ``total`` rows for None); only contiguous slices."""
-    if rows is None:
-        return range(total)
-    if not isinstance(rows, slice) or rows.step not in (None, 1):
+class TokenSpan(NamedTuple):
+    """Contiguous tokens ``start:stop`` of a sequence whose length is symbolic (export with dynamic height and
+    width): the stand-in for a ``range``, which would fix the traced length (``range`` and ``len`` take Python ints).
+    ``start`` and ``stop`` are non-negative, ``stop >= start``."""
+
+    start: int
+    stop: int
+
+
+def query_rows(rows: slice | None, total: int) -> range | TokenSpan:
+    """The query rows a ``rows`` argument names (all ``total`` rows for None); only contiguous slices.
+
+    A ``range``, or a :class:`TokenSpan` when ``total`` is symbolic (a ``torch.SymInt``); :func:`span_length`
+    counts either."""
+    if rows is not None and (not isinstance(rows, slice) or rows.step not in (None, 1)):
         raise ValueError(f"rows must be a contiguous slice of query rows, got {rows!r}")
-    return range(total)[rows]
+    if isinstance(total, torch.SymInt):
+        if rows is None:
+            return TokenSpan(0, total)
+        start, stop = 0 if rows.start is None else rows.start, total if rows.stop is None else rows.stop
+        for low, high in ((0, start), (start, stop), (stop, total)):  # one check each: no Python `and` of sizes
+            torch._check(low <= high, lambda: f"rows {rows} must be a slice within the {total} tokens")
+        return TokenSpan(start, stop)
+    return range(total) if rows is None else range(total)[rows]
+
+
+def span_length(span: range | TokenSpan) -> int:
+    """The number of tokens of a ``range`` or :class:`TokenSpan` (symbolic for a symbolic span).
+
+    Example:
+        >>> span_length(range(2, 5)), span_length(TokenSpan(2, 5))
+        (3, 3)
+    """
+    return len(span) if isinstance(span, range) else span.stop - span.start
 
 
 def gather_offsets(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -97,10 +129,14 @@ class OffsetState:
     def num_offsets(self) -> int:
         return (2 * self.grid_size[0] - 1) * (2 * self.grid_size[1] - 1)
 
-    def offset_index(self, rows: range, cols: range) -> torch.Tensor:
-        """int32 (R, C) table index of every (query in ``rows``, key in ``cols``) pair."""
-        if self.index is not None:
-            return self.index[rows.start : rows.stop, cols.start : cols.stop]
+    def offset_index(self, rows: range | TokenSpan, cols: range | TokenSpan) -> torch.Tensor:
+        """int32 (R, C) table index of every (query in ``rows``, key in ``cols``) pair (a symbolic grid always holds
+        the full index, see :func:`offset_state`)."""
+        if self.index is not None or is_symbolic_grid(self.grid_size):
+            index = self.index
+            if index is None:  # a symbolic grid: the pairs' index from tensor ops only (full_offset_index)
+                index = full_offset_index(self.grid_size, self.num_prefix_tokens, self.device)
+            return index[rows.start : rows.stop, cols.start : cols.stop]
         (height, width), p = self.grid_size, self.num_prefix_tokens
         r = torch.arange(max(rows.start, p) - p, max(rows.stop, p) - p, device=self.device, dtype=torch.int32)
         c = torch.arange(max(cols.start, p) - p, max(cols.stop, p) - p, device=self.device, dtype=torch.int32)
@@ -123,13 +159,40 @@ class OffsetState:
 
 
 def offset_state(grid_size: tuple[int, int], num_prefix_tokens: int, device, full_state_max_tokens: int) -> OffsetState:
-    """:class:`OffsetState` for a 2D grid; the full index is cached when P + N <= ``full_state_max_tokens``."""
+    """:class:`OffsetState` for a 2D grid; the full index is cached when P + N <= ``full_state_max_tokens``.
+
+    A symbolic grid (export with dynamic height and width) always holds the full index, built in the graph from the
+    symbolic sizes (:func:`full_offset_index`): comparing its token count with ``full_state_max_tokens`` would fix
+    the traced grid, and the exported graph runs its blocks on every query row at once."""
     check_int(num_prefix_tokens, "num_prefix_tokens", min=0)
     state = OffsetState(tuple(grid_size), num_prefix_tokens, torch.device(device) if device is not None else None)
-    if state.num_tokens <= full_state_max_tokens:
+    if is_symbolic_grid(state.grid_size):
+        state.index = full_offset_index(state.grid_size, num_prefix_tokens, state.device)
+    elif state.num_tokens <= full_state_max_tokens:
         every = range(state.num_tokens)
         state.index = state.offset_index(every, every)
     return state
+
+
+def full_offset_index(grid_size: tuple[int, int], num_prefix_tokens: int, device=None) -> torch.Tensor:
+    """int32 (P + N, P + N) offset index of every token pair of a 2D grid (:meth:`OffsetState.offset_index` of all
+    rows and columns), computed with tensor ops only, so that a symbolic grid stays symbolic in an exported graph.
+
+    Example:
+        >>> full_offset_index((1, 2), 1)  # K = 3 offsets (0, -1), (0, 0), (0, 1); entry 3 for the prefix pairs
+        tensor([[3, 3, 3],
+                [3, 1, 0],
+                [3, 2, 1]], dtype=torch.int32)
+    """
+    height, width = grid_size
+    # prefix tokens first, at negative token numbers; their pairs read entry K (a masked fill: a padding value or a
+    # Python comparison would fix a symbolic K)
+    token = torch.arange(-num_prefix_tokens, height * width, device=device, dtype=torch.int32)
+    patch = token.clamp_min(0)
+    y, x = patch // width, patch % width
+    index = (y[:, None] - y[None, :] + (height - 1)) * (2 * width - 1) + (x[:, None] - x[None, :] + (width - 1))
+    prefix = token < 0
+    return index.masked_fill(prefix[:, None] | prefix[None, :], (2 * height - 1) * (2 * width - 1))
 
 
 @dataclass
@@ -140,7 +203,7 @@ class DistanceState(OffsetState):
 
     def distances(self, rows: slice | None = None) -> torch.Tensor:
         """||p_i - p_j||, fp32 (R, P + N) for the query ``rows`` (all rows for None)."""
-        every = range(self.num_tokens)
+        every = query_rows(None, self.num_tokens)
         return gather_offsets(self.table, self.offset_index(query_rows(rows, self.num_tokens), every))
 
 
