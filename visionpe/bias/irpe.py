@@ -35,9 +35,9 @@ from torch import nn
 
 from ..base import BiasPositionEncoding, check_model_shape
 from ..checks import check_bool, check_choice, check_instance, check_int, check_positive, check_tensor
-from ..grid import validate_grid_size
+from ..grid import is_symbolic_grid, validate_grid_size
 from ..registry import register_scheme
-from .offsets import OffsetState, gather_offsets, offset_state, query_rows
+from .offsets import OffsetState, gather_offsets, offset_state, query_rows, span_length
 
 __all__ = [
     "IRPE",
@@ -248,7 +248,9 @@ class IRPE(BiasPositionEncoding):
         self._cache: dict[tuple, IRPEState] = {}
 
     def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> IRPEState:
-        """Offset buckets for ``grid_size`` (and the full map for small grids), cached per (grid, prefix, device)."""
+        """Offset buckets for ``grid_size`` (and the full map for small grids), cached per (grid, prefix, device).
+
+        A symbolic grid (export with dynamic height and width) builds the full map in the graph, uncached."""
         grid_size = self.check_grid(grid_size)
         check_int(num_prefix_tokens, "num_prefix_tokens", min=0)
         if (num_prefix_tokens > 0) != (self.num_prefix_tokens > 0):
@@ -256,16 +258,19 @@ class IRPE(BiasPositionEncoding):
                 f"iRPE tables were built for num_prefix_tokens={self.num_prefix_tokens} "
                 f"({self.num_buckets} buckets), got num_prefix_tokens={num_prefix_tokens}"
             )
-        full = num_prefix_tokens + math.prod(grid_size) <= self.full_state_max_tokens
+        symbolic = is_symbolic_grid(grid_size)
+        full = symbolic or num_prefix_tokens + math.prod(grid_size) <= self.full_state_max_tokens
         key = (grid_size, num_prefix_tokens, str(torch.device(device) if device is not None else "cpu"), full)
-        state = self._cache.get(key)
+        state = None if symbolic else self._cache.get(key)
         if state is None:
             base = offset_state(grid_size, num_prefix_tokens, device, 0)
-            state = IRPEState(base.grid_size, base.num_prefix_tokens, base.device)
+            state = IRPEState(base.grid_size, base.num_prefix_tokens, base.device, base.index)
             state.table = _bucket_table(state, self.method, self.ratio)
             if full:
-                every = range(state.num_tokens)
+                every = query_rows(None, state.num_tokens)
                 state.flat = self._flat_ids(state, every, every)
+            if symbolic:
+                return state
             if len(self._cache) >= _MAX_CACHED_GRIDS:
                 self._cache.pop(next(iter(self._cache)))
             self._cache[key] = state
@@ -298,14 +303,15 @@ class IRPE(BiasPositionEncoding):
         if state.flat is not None:
             return state.flat[..., rows.start : rows.stop, cols.start : cols.stop] - rows.start * self.num_buckets
         ids = gather_offsets(state.table, state.offset_index(rows, cols))
-        return ids.add_(torch.arange(len(rows), device=ids.device, dtype=ids.dtype)[:, None] * self.num_buckets)
+        rows_here = torch.arange(span_length(rows), device=ids.device, dtype=ids.dtype)
+        return ids.add_(rows_here[:, None] * self.num_buckets)
 
     def _check_layer(self, layer: int) -> None:
         depth = next(iter(self.tables.values())).shape[0]
         check_int(layer, "layer", min=0, max=depth - 1, expected=f"an int in [0, depth={depth})")
 
     def _check_rows(self, x: torch.Tensor, state: IRPEState, name: str, rows: slice | None) -> int:
-        expected = len(query_rows(rows, state.num_tokens))
+        expected = span_length(query_rows(rows, state.num_tokens))
         shape = (self.num_heads, expected, self.head_dim)
         if not isinstance(x, torch.Tensor) or x.ndim != 4 or tuple(x.shape[1:]) != shape:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -329,7 +335,7 @@ class IRPE(BiasPositionEncoding):
         num_rows = self._check_rows(q, state, "q", rows)
         self._check_rows(k, state, "k", None)
         self._check_layer(layer)
-        selected, every = query_rows(rows, state.num_tokens), range(state.num_tokens)
+        selected, every = query_rows(rows, state.num_tokens), query_rows(None, state.num_tokens)
         flat = self._flat_ids(state, selected, every)
         bias = None
         scale = self.head_dim**-0.5  # (q / sqrt(d)) R = q (R / sqrt(d)): scale the small table, not q
@@ -371,13 +377,13 @@ class IRPE(BiasPositionEncoding):
         self._check_layer(layer)
         n = state.num_tokens
         selected = query_rows(rows, n)
-        num_rows = len(selected)
+        num_rows = span_length(selected)
         expected = (self.num_heads, num_rows, n)
         if not isinstance(attn, torch.Tensor) or attn.ndim != 4 or tuple(attn.shape[1:]) != expected:
             shape = tuple(attn.shape) if isinstance(attn, torch.Tensor) else type(attn).__name__
             raise ValueError(f"attn must have shape (B, num_heads={self.num_heads}, {num_rows}, {n}), got {shape}")
         check_tensor(attn, "attn", dtype="floating")
-        flat = self._flat_ids(state, selected, range(n))
+        flat = self._flat_ids(state, selected, query_rows(None, n))
         table = self._table("v", layer)
         # a saturated bucket sums thousands of probabilities: in fp32 for half-precision attn (CUDA's scatter_add
         # rounds to the slot's dtype after every add), as they are for fp32 and fp64

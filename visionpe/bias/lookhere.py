@@ -28,7 +28,7 @@ from ..checks import check_choice, check_float, check_int, check_positive, is_nu
 from ..grid import grid_coords, validate_grid_size
 from ..registry import register_scheme
 from .distance import CoordinateState
-from .offsets import GlobalSlope, OffsetState, distance_state, gather_offsets, query_rows
+from .offsets import GlobalSlope, OffsetState, distance_state, gather_offsets, query_rows, span_length
 
 __all__ = ["LookHere", "LookHereState", "LOOKHERE_VARIANTS", "lookhere_heads", "lookhere_fov_masks"]
 
@@ -225,7 +225,7 @@ class LookHere(GlobalSlope, BiasPositionEncoding):
         """-M^l for block ``layer``: ``(1, h, R, P + N)`` in the dtype of q; R = P + N or the query ``rows``."""
         heads, n = len(self.directions), state.num_tokens
         selected = query_rows(rows, n)
-        num_rows = len(selected)
+        num_rows = span_length(selected)
         if q.shape[-2] != num_rows or k.shape[-2] != n or q.shape[1] != heads:
             raise ValueError(
                 f"q and k must have shape (B, {heads}, {num_rows}, head_dim) and "
@@ -244,4 +244,4 @@ class LookHere(GlobalSlope, BiasPositionEncoding):
             penalty = dy.square().add(dx.square()).sqrt().expand_as(views).masked_fill(~views, float("inf"))
             return (penalty.to(compute) * slopes[:, None, None]).to(q.dtype)[None]
         table = (state.penalty.to(compute) * slopes[:, None]).to(q.dtype)
-        return gather_offsets(table, state.offset_index(selected, range(n)))[None]
+        return gather_offsets(table, state.offset_index(selected, query_rows(None, n)))[None]
