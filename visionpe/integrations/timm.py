@@ -40,6 +40,9 @@ _SIZES = {
 
 
 def _cfg(**kwargs):
+    """Pretrained cfg as timm's ViTs declare it; ``fixed_input_size=True`` for the image ViTs (they take the
+    ``img_size`` they were built with unless created with ``dynamic_img_size=True``), False for the video and
+    multi-view ViTs (dynamic by default)."""
     return {
         "num_classes": 1000,
         "input_size": (3, 224, 224),
@@ -56,7 +59,7 @@ def _cfg(**kwargs):
 
 
 default_cfgs = generate_default_cfgs(
-    {f"visionpe_vit_{size}_patch16_224": _cfg() for size in _SIZES}
+    {f"visionpe_vit_{size}_patch16_224": _cfg(fixed_input_size=True) for size in _SIZES}
     | {f"visionpe_video_vit_{size}_tubelet2x16": _cfg() for size in _SIZES}
     | {f"visionpe_mvvit_{size}_patch16": _cfg() for size in ("tiny", "small", "base")}
 )
