@@ -38,7 +38,7 @@ from .base import BiasPositionEncoding
 from .rotary.state import ChainedRotation, IdentityRotation, LayerRotation, RotaryState, split_heads
 from .tokens import gather_pairs, gather_tokens, scatter_pairs, scatter_tokens
 
-__all__ = ["PositionContext", "PosAttention", "PosBlock"]
+__all__ = ["PositionContext", "PosAttention", "PosBlock", "position_attention"]
 
 
 @dataclass
@@ -322,5 +322,24 @@ class PosBlock(Block):
         is_causal: bool = False,
         pos: PositionContext | None = None,
     ) -> torch.Tensor:
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal, pos=pos)))
+        x = x + self.drop_path1(self.ls1(position_attention(self.attn, self.norm1(x), attn_mask, is_causal, pos)))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+
+@torch.fx.wrap
+def position_attention(
+    attn: PosAttention,
+    x: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    pos: PositionContext | None = None,
+) -> torch.Tensor:
+    """``attn(x, attn_mask=attn_mask, is_causal=is_causal, pos=pos)``, one leaf call of a ``torch.fx`` graph.
+
+    ``torch.fx.wrap`` (as timm wraps its position-embedding helpers) makes symbolic tracing record this call,
+    with the attention module and the position context as values, instead of tracing into it: each scheme applies
+    its state with Python control flow (per-layer tables, query chunks, patch dropout) that fx cannot trace. So
+    torchvision's ``create_feature_extractor`` and timm's ``features_only`` fx path work with every scheme, with
+    or without timm's tracer settings, and compute what the eager model does.
+    """
+    return attn(x, attn_mask=attn_mask, is_causal=is_causal, pos=pos)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from ..base import AbsolutePositionEncoding
 from ..grid import CoordAugment, set_coord_augment
 from ..registry import create_pos_embed, get_scheme_class
 
-__all__ = ["VisionPEViT", "normalize_schemes", "check_img_size"]
+__all__ = ["VisionPEViT", "build_position_context", "normalize_schemes", "check_img_size"]
 
 
 def normalize_schemes(
@@ -75,6 +75,118 @@ def check_img_size(img_size: Any, patch_size: Any, dynamic_img_pad: bool = False
             "columns would be dropped; choose a multiple of the patch size or create the model with "
             "dynamic_img_pad=True"
         )
+
+
+def _check_batch(x: torch.Tensor, layout: str, channels: int) -> None:
+    """Rank, dtype, batch size and channels of an input batch laid out as ``layout`` (e.g. "B, C, H, W")."""
+    if not isinstance(x, torch.Tensor) or x.ndim != len(layout.split(", ")):
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a batch ({layout}), got {shape}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point batch ({layout}), got dtype {x.dtype}")
+    if x.shape[0] == 0 or x.shape[1] != channels or min(x.shape[2:]) == 0:
+        raise ValueError(
+            f"x must be a non-empty batch ({layout}) with B >= 1, C = {channels} and sizes >= 1, got {tuple(x.shape)}"
+        )
+
+
+def _check_images(
+    x: torch.Tensor,
+    channels: int,
+    img_size: tuple[int, int] | None,
+    patch_size: tuple[int, int],
+    dynamic_img_size: bool,
+    dynamic_img_pad: bool,
+) -> None:
+    """A (B, C, H, W) batch the model takes: ``img_size`` unless ``dynamic_img_size``, else any size divisible by
+    the patch (any size with ``dynamic_img_pad``)."""
+    _check_batch(x, "B, C, H, W", channels)
+    height, width = x.shape[-2:]
+    ph, pw = patch_size
+    if dynamic_img_size:
+        if not dynamic_img_pad and (height % ph or width % pw):
+            raise ValueError(
+                f"image size {height}x{width} is not divisible by the patch size {ph}x{pw}; "
+                "resize it or create the model with dynamic_img_pad=True"
+            )
+    elif (height, width) != img_size:
+        raise ValueError(
+            f"image size {height}x{width} does not match the model's img_size "
+            f"{img_size}; create it with dynamic_img_size=True or call set_input_size()"
+        )
+
+
+@torch.fx.wrap
+def _traced_input(
+    x: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    depth: torch.Tensor | None,
+    channels: int,
+    img_size: tuple[int, int] | None,
+    patch_size: tuple[int, int],
+    dynamic_img_size: bool,
+    dynamic_img_pad: bool,
+) -> torch.Tensor:
+    """``x`` after the input checks, as a leaf of a ``torch.fx`` graph (``torch.fx.wrap``, as timm wraps its
+    position-embedding helpers): symbolic tracing records this call instead of tracing the checks, so the traced
+    model (torchvision's ``create_feature_extractor``, timm's ``features_only`` fx path) checks every batch as the
+    eager one does. Position states are traced for the model's fixed grid, without an attention mask, causal
+    attention or depth, so the graph refuses those at run time rather than ignoring them."""
+    if attn_mask is not None or is_causal is not False or depth is not None:
+        raise ValueError(
+            "this torch.fx-traced model was traced without attn_mask, is_causal and depth; trace the eager model "
+            "with concrete_args for them, or call the eager model"
+        )
+    _check_images(x, channels, img_size, patch_size, dynamic_img_size, dynamic_img_pad)
+    return x
+
+
+def build_position_context(
+    schemes: Iterable[nn.Module],
+    num_prefix_tokens: int,
+    grid_size: tuple[int, ...],
+    device: torch.device,
+    patch_depth: torch.Tensor | None = None,
+) -> PositionContext:
+    """The :class:`~visionpe.attention.PositionContext` of ``schemes`` (a model's position schemes, in order) for
+    ``grid_size``: each rotary scheme's state, then each bias scheme's (scheme, state); absolute schemes have none.
+    ``patch_depth`` (B, N) goes to the schemes that list it among their ``extra_inputs``."""
+    ctx = PositionContext()
+    schemes = list(schemes)
+    for scheme in (m for m in schemes if m.kind == "rotary"):
+        inputs = {"patch_depth": patch_depth} if "patch_depth" in scheme.extra_inputs else {}
+        coords = scheme.model_coords(grid_size, device, **inputs)
+        ctx.rotary.append(scheme.prepare(coords, num_prefix_tokens, grid_size=grid_size))
+    for scheme in (m for m in schemes if m.kind == "bias"):
+        ctx.bias.append((scheme, scheme.prepare(scheme.check_grid(grid_size), num_prefix_tokens, device)))
+    return ctx
+
+
+@torch.fx.wrap
+def _add_absolute(
+    scheme: AbsolutePositionEncoding,
+    x: torch.Tensor,
+    grid_size: tuple[int, ...],
+    num_prefix_tokens: int,
+    after_block: int | None = None,
+) -> torch.Tensor:
+    """An absolute scheme applied to the tokens ``x`` (after block ``after_block`` for CPE's PEGs), one leaf call of
+    a ``torch.fx`` graph (as :func:`~visionpe.attention.position_attention`): schemes check their tokens and
+    resample tables with Python control flow."""
+    if after_block is None:
+        return scheme(x, grid_size, num_prefix_tokens)
+    return scheme(x, grid_size, num_prefix_tokens, after_block=after_block)
+
+
+@torch.fx.wrap
+def _traced_position_context(
+    schemes: nn.ModuleDict, num_prefix_tokens: int, grid_size: tuple[int, ...], x: torch.Tensor
+) -> PositionContext:
+    """:func:`build_position_context` on ``x``'s device as one leaf of a ``torch.fx`` graph: the states are built
+    with Python control flow (grid sizes, caches, per-layer tables), so the graph calls this and hands the context
+    to the attention, a leaf call as well (:func:`~visionpe.attention.position_attention`)."""
+    return build_position_context(schemes.values(), num_prefix_tokens, grid_size, x.device)
 
 
 class VisionPEViT(VisionTransformer):
@@ -194,44 +306,20 @@ class VisionPEViT(VisionTransformer):
         """Rotary and bias states for ``grid_size``, built once per forward for all blocks; ``patch_depth``
         (B, N), each patch's mean depth, goes to the schemes that declare it among their ``extra_inputs`` (STRING's
         ``depth_coords``)."""
-        ctx = PositionContext()
-        for scheme in self._schemes("rotary"):
-            inputs = {"patch_depth": patch_depth} if "patch_depth" in scheme.extra_inputs else {}
-            coords = scheme.model_coords(grid_size, device, **inputs)
-            ctx.rotary.append(scheme.prepare(coords, self.num_prefix_tokens, grid_size=grid_size))
-        for scheme in self._schemes("bias"):
-            ctx.bias.append((scheme, scheme.prepare(scheme.check_grid(grid_size), self.num_prefix_tokens, device)))
-        return ctx
+        return build_position_context(self.pos_schemes.values(), self.num_prefix_tokens, grid_size, device, patch_depth)
 
     def _check_batch(self, x: torch.Tensor, layout: str) -> None:
         """Rank, dtype, batch size and channels of an input batch laid out as ``layout`` (e.g. "B, C, H, W")."""
-        if not isinstance(x, torch.Tensor) or x.ndim != len(layout.split(", ")):
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be a batch ({layout}), got {shape}")
-        if not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point batch ({layout}), got dtype {x.dtype}")
-        channels = self.patch_embed.proj.in_channels
-        if x.shape[0] == 0 or x.shape[1] != channels or min(x.shape[2:]) == 0:
-            raise ValueError(
-                f"x must be a non-empty batch ({layout}) with B >= 1, C = {channels} and sizes >= 1, "
-                f"got {tuple(x.shape)}"
-            )
+        _check_batch(x, layout, self.patch_embed.proj.in_channels)
+
+    def _input_spec(self) -> tuple[int, tuple[int, int] | None, tuple[int, int], bool, bool]:
+        """(channels, img_size, patch_size, dynamic_img_size, dynamic_img_pad): what :func:`_check_images` reads."""
+        embed = self.patch_embed
+        img_size = None if embed.img_size is None else tuple(embed.img_size)
+        return embed.proj.in_channels, img_size, tuple(embed.patch_size), self.dynamic_img_size, embed.dynamic_img_pad
 
     def _check_input(self, x: torch.Tensor) -> None:
-        self._check_batch(x, "B, C, H, W")
-        height, width = x.shape[-2:]
-        ph, pw = self.patch_embed.patch_size
-        if self.dynamic_img_size:
-            if not self.patch_embed.dynamic_img_pad and (height % ph or width % pw):
-                raise ValueError(
-                    f"image size {height}x{width} is not divisible by the patch size {ph}x{pw}; "
-                    "resize it or create the model with dynamic_img_pad=True"
-                )
-        elif (height, width) != tuple(self.patch_embed.img_size):
-            raise ValueError(
-                f"image size {height}x{width} does not match the model's img_size "
-                f"{tuple(self.patch_embed.img_size)}; create it with dynamic_img_size=True or call set_input_size()"
-            )
+        _check_images(x, *self._input_spec())
 
     def _grid_size(self, x: torch.Tensor) -> tuple[int, ...]:
         """Grid of the patch embedding's output (NHWC when ``dynamic_img_size``, else NLC on the nominal grid)."""
@@ -243,7 +331,7 @@ class VisionPEViT(VisionTransformer):
         x = super()._pos_embed(x)  # timm: concatenate prefix tokens (its own table is None)
         for scheme in self._schemes("absolute"):
             if not scheme.insert_after:
-                x = scheme(x, grid_size, self.num_prefix_tokens)
+                x = _add_absolute(scheme, x, grid_size, self.num_prefix_tokens)
         return self.pos_drop(x), grid_size
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
@@ -296,7 +384,19 @@ class VisionPEViT(VisionTransformer):
         depth: torch.Tensor | None = None,
     ):
         """Embed, then yield the tokens after each block (absolute schemes with ``insert_after`` applied)."""
-        self._check_input(x)
+        tracing = isinstance(x, torch.fx.Proxy)
+        if tracing:
+            # torch.fx symbolic tracing: the checks become one leaf call of the graph and the other inputs take
+            # their defaults (position states are built with Python control flow on the grid, which fx fixes)
+            if self.dynamic_img_size:
+                raise ValueError(
+                    "torch.fx tracing builds the position states for one grid: trace a model created without "
+                    "dynamic_img_size=True (as for timm's ViT), got dynamic_img_size=True"
+                )
+            x = _traced_input(x, attn_mask, is_causal, depth, *self._input_spec())
+            attn_mask, is_causal, depth = None, False, None
+        else:
+            self._check_input(x)
         images = x
         x, grid_size = self._pos_embed_grid(self.patch_embed(x))
         patch_depth = self._patch_depth(depth, images, grid_size)
@@ -305,7 +405,10 @@ class VisionPEViT(VisionTransformer):
             self.patch_drop(x) if isinstance(self.patch_drop, PatchDropoutWithIndices) else (self.patch_drop(x), None)
         )
         x = self.norm_pre(x)
-        ctx = self.position_context(grid_size, x.device, patch_depth)
+        if tracing:  # patch_depth is None: depth is not traced
+            ctx = _traced_position_context(self.pos_schemes, self.num_prefix_tokens, grid_size, x)
+        else:
+            ctx = self.position_context(grid_size, x.device, patch_depth)
         if keep is not None and (ctx.rotary or ctx.bias):
             # patch dropout: indices of the kept tokens (prefix tokens always kept) in the full sequence
             prefix = torch.arange(self.num_prefix_tokens, device=keep.device).expand(keep.shape[0], -1)
@@ -319,7 +422,7 @@ class VisionPEViT(VisionTransformer):
                 x = blk(x, attn_mask=attn_mask, is_causal=is_causal, pos=ctx)
             for scheme in inserts:
                 if i in scheme.insert_after:
-                    x = scheme(x, grid_size, self.num_prefix_tokens, after_block=i)
+                    x = _add_absolute(scheme, x, grid_size, self.num_prefix_tokens, i)
             yield x
 
     def forward_features(
