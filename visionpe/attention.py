@@ -336,7 +336,7 @@ def position_attention(
 ) -> torch.Tensor:
     """``attn(x, attn_mask=attn_mask, is_causal=is_causal, pos=pos)``, one leaf call of a ``torch.fx`` graph.
 
-    ``torch.fx.wrap`` (as timm wraps its position-embedding helpers) makes symbolic tracing record this call,
+    ``torch.fx.wrap`` (as timm wraps its position-embedding functions) makes symbolic tracing record this call,
     with the attention module and the position context as values, instead of tracing into it: each scheme applies
     its state with Python control flow (per-layer tables, query chunks, patch dropout) that fx cannot trace. So
     torchvision's ``create_feature_extractor`` and timm's ``features_only`` fx path work with every scheme, with

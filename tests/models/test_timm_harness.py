@@ -14,7 +14,7 @@ from torchvision.models.feature_extraction import create_feature_extractor, get_
 
 NAME = "visionpe_vit_tiny_patch16_224"
 SMALL = dict(embed_dim=32, depth=2, num_heads=2)  # the cfg's 224 px input and 16 px patches: a 14 x 14 grid
-SCHEMES = ["learned", "rope_mixed", "alibi2d"]  # the default, a rotary and a bias scheme
+POS_EMBEDS = ["learned", "rope_mixed", "alibi2d"]  # the default, a rotary and a bias scheme
 IMAGE_MODELS = timm.list_models("visionpe_vit_*")
 TRACER_KWARGS = dict(  # as timm's test file traces its models
     leaf_modules=get_notrace_modules(), autowrap_functions=get_notrace_functions(), param_shapes_constant=True
@@ -80,7 +80,7 @@ def test_fixed_input_size_is_what_the_model_takes():
 
 
 # -- forward, backward and the non-standard cfg checks ----------------------------------------------------------
-@pytest.mark.parametrize("pos_embed", SCHEMES)
+@pytest.mark.parametrize("pos_embed", POS_EMBEDS)
 def test_forward_and_non_std_cfg_checks(pos_embed):
     model = create(pos_embed).eval()
     x = torch.randn(1, *harness_input_size(model.pretrained_cfg, 384))
@@ -103,7 +103,7 @@ def test_forward_and_non_std_cfg_checks(pos_embed):
     assert f"{cfg['classifier']}.weight" in create(pos_embed).state_dict()
 
 
-@pytest.mark.parametrize("pos_embed", SCHEMES)
+@pytest.mark.parametrize("pos_embed", POS_EMBEDS)
 def test_backward_reaches_every_parameter(pos_embed):
     model = create(pos_embed, num_classes=42).train()
     x = torch.randn(2, *harness_input_size(model.pretrained_cfg, 128))
@@ -114,7 +114,7 @@ def test_backward_reaches_every_parameter(pos_embed):
 
 
 # -- forward_intermediates and features_only --------------------------------------------------------------------
-@pytest.mark.parametrize("pos_embed", SCHEMES)
+@pytest.mark.parametrize("pos_embed", POS_EMBEDS)
 def test_forward_intermediates_and_features_only(pos_embed):
     model = create(pos_embed).eval()
     x = torch.randn(1, *harness_input_size(model.pretrained_cfg, 96))
@@ -136,7 +136,7 @@ def test_forward_intermediates_and_features_only(pos_embed):
 
 
 # -- torch.fx ---------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("pos_embed", SCHEMES)
+@pytest.mark.parametrize("pos_embed", POS_EMBEDS)
 def test_fx_feature_extractor_equals_eager(pos_embed):
     model = create(pos_embed).eval()
     x = torch.randn(1, *harness_input_size(model.pretrained_cfg, 128))
@@ -156,7 +156,7 @@ def test_fx_feature_extractor_equals_eager(pos_embed):
         assert torch.equal(blocks(x)["b0"], torch.cat((first[1], first[0]), 1))
 
 
-@pytest.mark.parametrize("pos_embed", SCHEMES)
+@pytest.mark.parametrize("pos_embed", POS_EMBEDS)
 def test_fx_backward_reaches_every_parameter(pos_embed):
     model = create(pos_embed, num_classes=42).train()
     num_params = sum(p.numel() for p in model.parameters())

@@ -129,7 +129,7 @@ def _traced_input(
     dynamic_img_pad: bool,
 ) -> torch.Tensor:
     """``x`` after the input checks, as a leaf of a ``torch.fx`` graph (``torch.fx.wrap``, as timm wraps its
-    position-embedding helpers): symbolic tracing records this call instead of tracing the checks, so the traced
+    position-embedding functions): symbolic tracing records this call instead of tracing the checks, so the traced
     model (torchvision's ``create_feature_extractor``, timm's ``features_only`` fx path) checks every batch as the
     eager one does. Position states are traced for the model's fixed grid, without an attention mask, causal
     attention or depth, so the graph refuses those at run time rather than ignoring them."""
@@ -312,14 +312,14 @@ class VisionPEViT(VisionTransformer):
         """Rank, dtype, batch size and channels of an input batch laid out as ``layout`` (e.g. "B, C, H, W")."""
         _check_batch(x, layout, self.patch_embed.proj.in_channels)
 
-    def _input_spec(self) -> tuple[int, tuple[int, int] | None, tuple[int, int], bool, bool]:
+    def _input_options(self) -> tuple[int, tuple[int, int] | None, tuple[int, int], bool, bool]:
         """(channels, img_size, patch_size, dynamic_img_size, dynamic_img_pad): what :func:`_check_images` reads."""
         embed = self.patch_embed
         img_size = None if embed.img_size is None else tuple(embed.img_size)
         return embed.proj.in_channels, img_size, tuple(embed.patch_size), self.dynamic_img_size, embed.dynamic_img_pad
 
     def _check_input(self, x: torch.Tensor) -> None:
-        _check_images(x, *self._input_spec())
+        _check_images(x, *self._input_options())
 
     def _grid_size(self, x: torch.Tensor) -> tuple[int, ...]:
         """Grid of the patch embedding's output (NHWC when ``dynamic_img_size``, else NLC on the nominal grid)."""
@@ -393,7 +393,7 @@ class VisionPEViT(VisionTransformer):
                     "torch.fx tracing builds the position states for one grid: trace a model created without "
                     "dynamic_img_size=True (as for timm's ViT), got dynamic_img_size=True"
                 )
-            x = _traced_input(x, attn_mask, is_causal, depth, *self._input_spec())
+            x = _traced_input(x, attn_mask, is_causal, depth, *self._input_options())
             attn_mask, is_causal, depth = None, False, None
         else:
             self._check_input(x)
