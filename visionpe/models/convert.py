@@ -41,14 +41,7 @@ def convert_timm_state_dict(
         raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
     if not hasattr(model, "pos_schemes"):
         raise TypeError(f"model must be a visionpe VisionPEViT, got {type(model).__name__}")
-    for key, value in state_dict.items():
-        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"state_dict must map names to tensors, got {type(value).__name__} at key {key!r}"
-                if isinstance(key, str)
-                else f"state_dict keys must be parameter names (str), got {key!r}"
-            )
-    state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
+    state_dict = tensors_by_name(state_dict)
     target = model.state_dict()
     out, report = {}, LoadReport()
     new_key = "pos_schemes.learned.pos_embed"
@@ -87,6 +80,21 @@ def convert_timm_state_dict(
             report.dropped.append(f"{key} ({reason})")
     report.added = [k for k in target if k not in out]
     return out, report
+
+
+def tensors_by_name(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` checked to map names to tensors, with a DistributedDataParallel ``module.`` prefix removed;
+    TypeError naming the first key or value that is not a name or a tensor."""
+    out = {}
+    for key, value in state_dict.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"state_dict must map names to tensors, got {type(value).__name__} at key {key!r}"
+                if isinstance(key, str)
+                else f"state_dict keys must be parameter names (str), got {key!r}"
+            )
+        out[key.removeprefix("module.")] = value
+    return out
 
 
 def load_timm_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> LoadReport:

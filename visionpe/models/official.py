@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .convert import LoadReport, convert_timm_state_dict
+from .convert import LoadReport, convert_timm_state_dict, tensors_by_name
 
 __all__ = [
     "convert_rope_vit_state_dict",
@@ -55,16 +55,7 @@ def _state_dict(state_dict: Any, model: nn.Module, wrappers: Sequence[str] = ("m
         if isinstance(inner, Mapping) and not isinstance(inner, torch.Tensor):
             state_dict = inner
             break
-    out = {}
-    for key, value in state_dict.items():
-        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"state_dict must map names to tensors, got {type(value).__name__} at key {key!r}"
-                if isinstance(key, str)
-                else f"state_dict keys must be parameter names (str), got {key!r}"
-            )
-        out[key.removeprefix("module.")] = value
-    return out
+    return tensors_by_name(state_dict)
 
 
 def _scheme(model: nn.Module, name: str, layout: str) -> nn.Module:
