@@ -117,12 +117,17 @@ def _versions() -> str:
     return ", ".join(parts)
 
 
-def header(device: str | None = None, command: Sequence[str] | str | None = None, now=None) -> str:
-    """The first line of a result file: date (UTC), commit, torch and timm versions, device, command."""
+def header(
+    device: str | None = None, command: Sequence[str] | str | None = None, now=None, commit: str | None = None
+) -> str:
+    """The first line of a result file: date (UTC), commit, torch and timm versions, device, command.
+
+    ``commit``: the commit(s) the measurements ran at, when they were not taken at the current one (e.g. runs
+    trained earlier and reused); default :func:`git_commit`."""
     now = now or datetime.datetime.now(datetime.timezone.utc)
     cmd = relative_path(command) if isinstance(command, str) else command_line(command)
     return (
-        f"Measured {now:%Y-%m-%d %H:%M} UTC, commit {git_commit()}, {_versions()}, {device_name(device)}; "
+        f"Measured {now:%Y-%m-%d %H:%M} UTC, commit {commit or git_commit()}, {_versions()}, {device_name(device)}; "
         f"command: `{cmd}`"
     )
 
@@ -182,19 +187,21 @@ def write_results(
     notes: str | Sequence[str] | None = None,
     device: str | None = None,
     formats: Mapping[str, str] | None = None,
+    commit: str | None = None,
 ) -> tuple[Path, Path]:
     """Write ``<out_dir>/<name>.md`` and ``<out_dir>/<name>.csv``; returns their paths.
 
     ``rows``: sequences in the order of ``columns``, or mappings from column name to value; ``None`` is an empty
     cell. ``formats``: a format spec per column for numbers (``{"images/s": ".1f"}``), the same in both files.
     ``command``: the argv (default ``sys.argv``) or a ready string. ``notes``: lines between the header and the
-    table (the run's settings). ``device``: ``"cuda"`` names the CUDA device, anything else the CPU. A relative
+    table (the run's settings). ``device``: ``"cuda"`` names the CUDA device, anything else the CPU. ``commit``: see
+    :func:`header`. A relative
     ``out_dir`` is taken from the current directory, and created if missing.
     """
     cells = table_cells(rows, columns, formats)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lines = [header(device, command)]
+    lines = [header(device, command, commit=commit)]
     if notes:
         for note in [notes] if isinstance(notes, str) else notes:
             lines += ["", relative_path(note)]

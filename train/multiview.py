@@ -257,6 +257,7 @@ def run_one(scheme: str, seed: int, args: argparse.Namespace) -> dict:
     seconds = time.time() - start
     acc = evaluate(model, evals)
     record = {"scheme": scheme, "seed": seed, "accuracy": acc, "train_seconds": seconds, "settings": wanted}
+    record["commit"] = bench_results().git_commit()  # the code this run was trained with
     folder.mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), folder / "model.pt")
     record_path.write_text(json.dumps(record, indent=1) + "\n")
@@ -337,16 +338,24 @@ def plot(records: list[dict], schemes: list[str], task: MultiViewTask, path: Pat
     return path
 
 
+def bench_results():
+    """The benchmarks' result writer, ``bench/results.py`` (a folder of the repository, next to train/)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import bench.results
+    finally:
+        sys.path.remove(str(ROOT))
+    return bench.results
+
+
 def write_files(
     records: list[dict], schemes: list[str], task: MultiViewTask, args, out_dir: Path, command
 ) -> dict[str, Path]:
     """``out_dir/multiview.md`` (header, settings, summary table), ``.csv`` (a row per scheme, seed and condition)
     and ``.png``, through the benchmarks' writer (``bench/results.py``)."""
-    sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repository, next to train/
-    try:
-        from bench.results import markdown_table, table_cells, write_results
-    finally:
-        sys.path.remove(str(ROOT))
+    markdown_table, table_cells, write_results = (
+        getattr(bench_results(), name) for name in ("markdown_table", "table_cells", "write_results")
+    )
 
     seeds = sorted({r["seed"] for r in records})
     notes = [
@@ -366,6 +375,8 @@ def write_files(
         notes=notes,
         device="cpu",
         formats={"accuracy (%)": ".2f", "same prediction (%)": ".2f", "train seconds": ".0f"},
+        # the commits the runs were trained at (reused runs may predate the current one)
+        commit=", ".join(sorted({r.get("commit", "unknown") for r in records})),
     )
     # the Markdown file shows the summary over seeds (the CSV keeps every run); same first line and notes
     first = md.read_text().splitlines()[0]
