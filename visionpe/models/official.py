@@ -367,7 +367,8 @@ def lookhere_scheme_kwargs(config: Mapping[str, Any], num_heads: int) -> dict[st
         >>> kwargs = lookhere_scheme_kwargs(
         ...     {"global_slope": 1.0, "layer_slopes": [1.5, 0.5], "head_directions": "halves-diagonals-none"}, 12
         ... )
-        >>> kwargs["variant"], kwargs["directions"][:4], kwargs["head_slopes"][8:]
+        >>> directions, slopes = kwargs["directions"], kwargs["head_slopes"]
+        >>> kwargs["variant"], directions[:4], slopes[8:]
         ('180', [270.0, 90.0, 180.0, 0.0], [0.25, 0.0625, 0.015625, 0.00390625])
     """
     if not isinstance(config, Mapping):
