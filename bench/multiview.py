@@ -6,7 +6,7 @@ model without camera encoding (``camera_embed=None``) in the same run. Cameras a
 origin.
 
     .venv/bin/python bench/multiview.py                      # every camera scheme; writes docs/benchmarks/results/
-    .venv/bin/python bench/multiview.py --schemes gta cape --rounds 3 --out /tmp/mv
+    .venv/bin/python bench/multiview.py --schemes gta cape --rounds 3 --out runs/mv
 
 The table is also written to ``<--out>/multiview_speed.md`` and ``.csv`` (``bench/results.py``).
 """
