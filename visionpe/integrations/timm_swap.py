@@ -36,7 +36,6 @@ After the swap a ``VisionTransformer`` is a :class:`~visionpe.models.vit.VisionP
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,8 +52,8 @@ from torch import nn
 from ..attention import PosAttention, PosBlock, PositionContext
 from ..grid import CoordAugment
 from ..models.convert import LoadReport
-from ..models.vit import VisionPEViT, normalize_schemes
-from ..registry import create_pos_embed, get_scheme_class
+from ..models.vit import VisionPEViT, create_model_scheme, normalize_schemes
+from ..registry import get_scheme_class
 from ..rotary.rope_dinov3 import half_to_interleaved
 
 __all__ = [
@@ -433,17 +432,7 @@ def _build_scheme(
     name: str, options: dict[str, Any], model: nn.Module, family: str, reference: torch.Tensor
 ) -> nn.Module:
     """One scheme for the model's shape, on its device and floating dtype; ValueError for one it cannot run."""
-    depth, num_heads = len(model.blocks), model.blocks[0].attn.num_heads
-    grid_size = tuple(model.patch_embed.grid_size)
-    context = {
-        "grid_size": grid_size,
-        "num_prefix_tokens": model.num_prefix_tokens,
-        "ndim": len(grid_size),
-        "no_embed_class": bool(model.no_embed_class),
-    }
-    params = inspect.signature(get_scheme_class(name).__init__).parameters
-    extra = {k: v for k, v in context.items() if k in params and k not in options}
-    scheme = create_pos_embed(name, dim=model.embed_dim, num_heads=num_heads, depth=depth, **extra, **options)
+    scheme = create_model_scheme(model, name, options)
     if family == "eva" and scheme.insert_after:
         raise ValueError(
             f"{name!r} runs after blocks {scheme.insert_after}, between blocks, which timm's Eva forward has no place "

@@ -24,7 +24,7 @@ from ..base import AbsolutePositionEncoding
 from ..grid import CoordAugment, set_coord_augment
 from ..registry import create_pos_embed, get_scheme_class
 
-__all__ = ["VisionPEViT", "build_position_context", "normalize_schemes", "check_img_size"]
+__all__ = ["VisionPEViT", "build_position_context", "create_model_scheme", "normalize_schemes", "check_img_size"]
 
 
 def normalize_schemes(
@@ -189,6 +189,25 @@ def _traced_position_context(
     return build_position_context(schemes.values(), num_prefix_tokens, grid_size, x.device)
 
 
+def create_model_scheme(model: nn.Module, name: str, options: dict[str, Any]) -> nn.Module:
+    """Scheme ``name`` built for a timm ViT-like ``model`` (``blocks``, ``patch_embed``, ``embed_dim``,
+    ``num_prefix_tokens``, ``no_embed_class``): its width, heads and depth, and, for every scheme that takes them and
+    where ``options`` does not set them, the model's grid, prefix-token count, grid rank and ``no_embed_class``
+    (DeiT III and register ViTs: the learned table has no rows for prefix tokens; the other schemes never add an
+    absolute embedding to prefix tokens)."""
+    grid_size = tuple(model.patch_embed.grid_size)
+    context = {
+        "grid_size": grid_size,
+        "num_prefix_tokens": model.num_prefix_tokens,
+        "ndim": len(grid_size),
+        "no_embed_class": bool(model.no_embed_class),
+    }
+    params = inspect.signature(get_scheme_class(name).__init__).parameters
+    extra = {k: v for k, v in context.items() if k in params and k not in options}
+    depth, num_heads = len(model.blocks), model.blocks[0].attn.num_heads
+    return create_pos_embed(name, dim=model.embed_dim, num_heads=num_heads, depth=depth, **extra, **options)
+
+
 class VisionPEViT(VisionTransformer):
     """timm ViT with pluggable position encodings.
 
@@ -227,23 +246,9 @@ class VisionPEViT(VisionTransformer):
                 )
         super().__init__(pos_embed="none", block_fn=PosBlock, **kwargs)
         check_img_size(self.patch_embed.img_size, self.patch_embed.patch_size, self.patch_embed.dynamic_img_pad)
-        depth, num_heads = len(self.blocks), self.blocks[0].attn.num_heads
-        grid_size = tuple(self.patch_embed.grid_size)
-        # timm's no_embed_class (DeiT III, register ViTs: the learned table has no rows for prefix tokens) goes to
-        # every scheme that takes it (``learned``); the others never add an absolute embedding to prefix tokens.
-        context = {
-            "grid_size": grid_size,
-            "num_prefix_tokens": self.num_prefix_tokens,
-            "ndim": len(grid_size),
-            "no_embed_class": self.no_embed_class,
-        }
         self.pos_schemes = nn.ModuleDict()
         for name, opts in schemes.items():
-            params = inspect.signature(get_scheme_class(name).__init__).parameters
-            extra = {k: v for k, v in context.items() if k in params and k not in opts}
-            self.pos_schemes[name] = create_pos_embed(
-                name, dim=self.embed_dim, num_heads=num_heads, depth=depth, **extra, **opts
-            )
+            self.pos_schemes[name] = create_model_scheme(self, name, opts)
             after = self.pos_schemes[name].insert_after
             if patch_drop and after:
                 # applied between blocks, to the token grid that patch dropout has already thinned (CPE's conv)
