@@ -56,6 +56,12 @@ class PositionContext:
     keep: torch.Tensor | None = None
     num_tokens: int = 0
 
+    def keep_tokens(self, keep: torch.Tensor, num_prefix_tokens: int, num_tokens: int) -> None:
+        """Record patch dropout's ``keep`` (B, K) indices of the kept patches (timm's ``PatchDropoutWithIndices``)
+        as indices in the full sequence of ``num_tokens`` tokens, prefix tokens always kept."""
+        prefix = torch.arange(num_prefix_tokens, device=keep.device).expand(keep.shape[0], -1)
+        self.keep, self.num_tokens = torch.cat((prefix, keep + num_prefix_tokens), 1), num_tokens
+
     @property
     def needs_probs(self) -> bool:
         return any(scheme.needs_probs for scheme, _ in self.bias)

@@ -42,7 +42,7 @@ class PositionEncodingGenerator(nn.Module):
         if kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be a positive odd int, got {kernel_size!r}")
         self.proj = nn.Conv2d(dim, dim, kernel_size, stride=1, padding=kernel_size // 2, groups=dim, bias=True)
-        fan_out = kernel_size * kernel_size * dim // dim  # k * k * out_channels / groups
+        fan_out = kernel_size * kernel_size  # k * k * out_channels / groups, with groups = out_channels = dim
         nn.init.normal_(self.proj.weight, mean=0.0, std=math.sqrt(2.0 / fan_out))
         nn.init.zeros_(self.proj.bias)
 

@@ -132,11 +132,8 @@ class OffsetState:
     def offset_index(self, rows: range | TokenSpan, cols: range | TokenSpan) -> torch.Tensor:
         """int32 (R, C) table index of every (query in ``rows``, key in ``cols``) pair (a symbolic grid always holds
         the full index, see :func:`offset_state`)."""
-        if self.index is not None or is_symbolic_grid(self.grid_size):
-            index = self.index
-            if index is None:  # a symbolic grid: the pairs' index from tensor ops only (full_offset_index)
-                index = full_offset_index(self.grid_size, self.num_prefix_tokens, self.device)
-            return index[rows.start : rows.stop, cols.start : cols.stop]
+        if self.index is not None:
+            return self.index[rows.start : rows.stop, cols.start : cols.stop]
         (height, width), p = self.grid_size, self.num_prefix_tokens
         r = torch.arange(max(rows.start, p) - p, max(rows.stop, p) - p, device=self.device, dtype=torch.int32)
         c = torch.arange(max(cols.start, p) - p, max(cols.stop, p) - p, device=self.device, dtype=torch.int32)

@@ -52,7 +52,7 @@ from torch import nn
 from ..attention import PosAttention, PosBlock, PositionContext
 from ..grid import CoordAugment
 from ..models.convert import LoadReport
-from ..models.vit import VisionPEViT, create_model_scheme, normalize_schemes
+from ..models.vit import VisionPEViT, create_model_scheme, normalize_schemes, schemes_no_weight_decay
 from ..registry import get_scheme_class
 from ..rotary.rope_dinov3 import half_to_interleaved
 
@@ -187,17 +187,6 @@ _POS_ATTENTION = {EvaAttention: EvaPosAttention, AttentionRope: RopePosAttention
 # -- the converted Eva ------------------------------------------------------------------------------------------
 
 
-def _schemes_no_weight_decay(pos_schemes: nn.ModuleDict) -> set[str]:
-    """Position parameters kept out of weight decay, as :meth:`VisionPEViT.no_weight_decay` names them."""
-    skip = set()
-    for name, scheme in pos_schemes.items():
-        if hasattr(scheme, "no_weight_decay"):
-            skip |= {f"pos_schemes.{name}.{p}" for p in scheme.no_weight_decay()}
-        if scheme.kind == "absolute" and hasattr(scheme, "pos_embed"):
-            skip.add(f"pos_schemes.{name}.pos_embed")
-    return skip
-
-
 class VisionPEEva(Eva):
     """timm's ``Eva`` whose position encoding is a set of visionpe schemes (``pos_schemes``, names in
     ``pos_embed_names``): what :func:`apply_position_scheme` turns an ``Eva`` into, in place.
@@ -239,9 +228,7 @@ class VisionPEEva(Eva):
             x, keep = self.patch_drop(x)
         ctx = self.position_context(grid_size, x.device)
         if keep is not None and (ctx.rotary or ctx.bias):
-            # the kept tokens' indices in the full sequence (prefix tokens always kept), as VisionPEViT builds them
-            first = torch.arange(self.num_prefix_tokens, device=keep.device).expand(keep.shape[0], -1)
-            ctx.keep, ctx.num_tokens = torch.cat((first, keep + self.num_prefix_tokens), 1), num_tokens
+            ctx.keep_tokens(keep, self.num_prefix_tokens, num_tokens)
         return x, ctx
 
     @torch.jit.ignore
@@ -253,7 +240,7 @@ class VisionPEEva(Eva):
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
-        return set(super().no_weight_decay()) | _schemes_no_weight_decay(self.pos_schemes)
+        return set(super().no_weight_decay()) | schemes_no_weight_decay(self.pos_schemes)
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:

@@ -24,7 +24,14 @@ from ..base import AbsolutePositionEncoding
 from ..grid import CoordAugment, set_coord_augment
 from ..registry import create_pos_embed, get_scheme_class
 
-__all__ = ["VisionPEViT", "build_position_context", "create_model_scheme", "normalize_schemes", "check_img_size"]
+__all__ = [
+    "VisionPEViT",
+    "build_position_context",
+    "create_model_scheme",
+    "normalize_schemes",
+    "schemes_no_weight_decay",
+    "check_img_size",
+]
 
 
 def normalize_schemes(
@@ -187,6 +194,18 @@ def _traced_position_context(
     with Python control flow (grid sizes, caches, per-layer tables), so the graph calls this and hands the context
     to the attention, a leaf call as well (:func:`~visionpe.attention.position_attention`)."""
     return build_position_context(schemes.values(), num_prefix_tokens, grid_size, x.device)
+
+
+def schemes_no_weight_decay(pos_schemes: nn.ModuleDict) -> set[str]:
+    """The position parameters of a model's ``pos_schemes`` kept out of weight decay, as state-dict names: what
+    each scheme's ``no_weight_decay`` lists, and an absolute scheme's table ``pos_embed`` (as timm's)."""
+    skip = set()
+    for name, scheme in pos_schemes.items():
+        if hasattr(scheme, "no_weight_decay"):
+            skip |= {f"pos_schemes.{name}.{p}" for p in scheme.no_weight_decay()}
+        if isinstance(scheme, AbsolutePositionEncoding) and hasattr(scheme, "pos_embed"):
+            skip.add(f"pos_schemes.{name}.pos_embed")
+    return skip
 
 
 def create_model_scheme(model: nn.Module, name: str, options: dict[str, Any]) -> nn.Module:
@@ -415,9 +434,7 @@ class VisionPEViT(VisionTransformer):
         else:
             ctx = self.position_context(grid_size, x.device, patch_depth)
         if keep is not None and (ctx.rotary or ctx.bias):
-            # patch dropout: indices of the kept tokens (prefix tokens always kept) in the full sequence
-            prefix = torch.arange(self.num_prefix_tokens, device=keep.device).expand(keep.shape[0], -1)
-            ctx.keep, ctx.num_tokens = torch.cat((prefix, keep + self.num_prefix_tokens), 1), num_tokens
+            ctx.keep_tokens(keep, self.num_prefix_tokens, num_tokens)
         inserts = [m for m in self._schemes("absolute") if m.insert_after]
         blocks = self.blocks if last is None else self.blocks[: last + 1]
         for i, blk in enumerate(blocks):
@@ -520,10 +537,4 @@ class VisionPEViT(VisionTransformer):
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
-        skip = set(super().no_weight_decay())
-        for name, scheme in self.pos_schemes.items():
-            if hasattr(scheme, "no_weight_decay"):
-                skip |= {f"pos_schemes.{name}.{p}" for p in scheme.no_weight_decay()}
-            if isinstance(scheme, AbsolutePositionEncoding) and hasattr(scheme, "pos_embed"):
-                skip.add(f"pos_schemes.{name}.pos_embed")
-        return skip
+        return set(super().no_weight_decay()) | schemes_no_weight_decay(self.pos_schemes)
