@@ -1,4 +1,4 @@
-"""Hugging Face adapter: run a transformers Qwen-VL model with any visionpe multimodal scheme.
+"""Qwen-VL adapter: run a transformers Qwen2-VL, Qwen2.5-VL or Qwen3-VL model with any visionpe multimodal scheme.
 
 ``apply_position_scheme(model, "videorope")`` swaps the two halves of the model's M-RoPE (Wang et al.,
 "Qwen2-VL", arXiv 2409.12191, 2024) for a visionpe scheme: the position design (the model's
@@ -20,8 +20,8 @@ positions as the ``input_ids`` one. Text-only calls need no token types.
 Applying another scheme to a patched model replaces the first one (both are built from the model's own rotary
 settings), and ``remove_position_scheme(model)`` puts the model's own modules back.
 
-Needs the ``vlm`` extra (``pip install "visionpe[vlm]"``, transformers); importing this module without it raises an
-ImportError that says so. ``import visionpe`` never imports it.
+The model classes are imported from transformers by name (``SUPPORTED_MODELS``), so a transformers without one of
+them still serves the others.
 """
 
 from __future__ import annotations
@@ -34,17 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
-try:
-    import transformers  # noqa: F401  (the model classes are imported from it by name, see SUPPORTED_MODELS)
-except ImportError as err:
-    raise ImportError(
-        'visionpe.integrations.hf needs the "vlm" extra (transformers is missing): pip install "visionpe[vlm]"'
-    ) from err
-
-from ..multimodal.allocation import ALLOCATIONS
-from ..multimodal.ids import get_position_ids
-from ..multimodal.registry import get_multimodal_scheme
-from ..multimodal.rotary import MultimodalRotary, apply_multimodal_rotary
+from ...multimodal.allocation import ALLOCATIONS
+from ...multimodal.ids import get_position_ids
+from ...multimodal.registry import get_multimodal_scheme
+from ...multimodal.rotary import MultimodalRotary, apply_multimodal_rotary
 
 __all__ = ["apply_position_scheme", "remove_position_scheme", "SUPPORTED_MODELS"]
 
