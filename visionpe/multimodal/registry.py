@@ -21,6 +21,7 @@ from .hope import hope_design
 from .mrope import mrope_abs_time_design, mrope_design
 from .mrope_interleaved import mrope_interleaved_design
 from .ppe import ppe_design
+from .rope_1d import rope_1d_design
 from .rope_dhr import rope_dhr_design
 from .v2pe import v2pe_design
 from .videorope import videorope_design
@@ -82,6 +83,7 @@ MULTIMODAL_SCHEMES: dict[str, MultimodalScheme] = {
         MultimodalScheme("rope_dhr", rope_dhr_design, "single_axis", {}, "RoPE-DHR (CoMemo, Liu et al. 2025)"),
         MultimodalScheme("bipe", bipe_design, "single_axis", {}, "BiPE (He et al. 2024)"),
         MultimodalScheme("ppe", ppe_design, "chunked", {"mrope_section": (16, 24, 24)}, "PPE (Huang et al. 2026)"),
+        MultimodalScheme("rope_1d", rope_1d_design, "single_axis", {}, "1-D RoPE (RoFormer, Su et al. 2024)"),
     )
 }
 
