@@ -1,14 +1,22 @@
 """Hugging Face transformers integration: run a transformers VLM with any visionpe multimodal scheme.
 
-:func:`apply_position_scheme` patches a model in place and :func:`remove_position_scheme` undoes it. Each model
-family has its own module: :mod:`visionpe.integrations.hf.qwen` for Qwen2-VL, Qwen2.5-VL and Qwen3-VL (M-RoPE
-language models).
+:func:`apply_position_scheme` patches a model in place and :func:`remove_position_scheme` undoes it; both pick the
+adapter of the model's family by its class:
+
+- :mod:`visionpe.integrations.hf.qwen`: Qwen2-VL, Qwen2.5-VL and Qwen3-VL (M-RoPE language models, 3-row ids);
+- :mod:`visionpe.integrations.hf.llava`: LLaVA, LLaVA-OneVision and InternVL, whose language models use 1-D RoPE
+  (``"rope_1d"`` is their own scheme).
+
+``SUPPORTED_MODELS`` maps every supported inner model class to its transformers module; ``QWEN_MODELS`` and
+``ROPE_1D_MODELS`` are the two adapters' tables.
 
 Needs the ``vlm`` extra (``pip install "visionpe[vlm]"``, transformers); importing this package without it raises an
 ImportError that says so. ``import visionpe`` never imports it.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 try:
     import transformers  # noqa: F401  (the model classes are imported from it by name)
@@ -17,6 +25,64 @@ except ImportError as err:
         'visionpe.integrations.hf needs the "vlm" extra (transformers is missing): pip install "visionpe[vlm]"'
     ) from err
 
-from .qwen import SUPPORTED_MODELS, apply_position_scheme, remove_position_scheme
+from torch import nn
 
-__all__ = ["apply_position_scheme", "remove_position_scheme", "SUPPORTED_MODELS"]
+from . import llava, qwen
+from .llava import find_model, outer_name
+
+__all__ = ["apply_position_scheme", "remove_position_scheme", "SUPPORTED_MODELS", "QWEN_MODELS", "ROPE_1D_MODELS"]
+
+QWEN_MODELS = dict(qwen.SUPPORTED_MODELS)
+ROPE_1D_MODELS = dict(llava.SUPPORTED_MODELS)
+# inner model class name -> transformers module, for every model either adapter supports
+SUPPORTED_MODELS = {**QWEN_MODELS, **ROPE_1D_MODELS}
+
+
+def _adapter(model: Any):
+    """The adapter module for ``model``'s class; TypeError listing every supported class otherwise."""
+    if find_model(model, QWEN_MODELS) is not None:
+        return qwen
+    if find_model(model, ROPE_1D_MODELS) is not None:
+        return llava
+    supported = ", ".join(f"{name} (or {outer_name(name)})" for name in SUPPORTED_MODELS)
+    raise TypeError(f"apply_position_scheme supports {supported}; got {type(model).__name__}")
+
+
+def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Module:
+    """Make a supported transformers VLM use the visionpe multimodal scheme ``scheme``, in place.
+
+    Dispatches by class to :func:`visionpe.integrations.hf.qwen.apply_position_scheme` (Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL) or :func:`visionpe.integrations.hf.llava.apply_position_scheme` (LLaVA, LLaVA-OneVision, InternVL);
+    see those for the options each takes.
+
+    Args:
+        model: a model of ``SUPPORTED_MODELS`` (its ``*ForConditionalGeneration`` or inner ``*Model``).
+        scheme: a name from :func:`visionpe.multimodal.list_multimodal_schemes`.
+        **kwargs: the scheme's design options and the allocation's ``mrope_section``.
+
+    Returns:
+        The same model.
+
+    Raises:
+        TypeError: for a model of no supported class (the message lists them).
+
+    Example:
+        >>> from visionpe.integrations.hf import apply_position_scheme
+        >>> model = apply_position_scheme(model, "v2pe", delta=0.25)  # doctest: +SKIP
+    """
+    return _adapter(model).apply_position_scheme(model, scheme, **kwargs)
+
+
+def remove_position_scheme(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply_position_scheme`, in place (a model that is not patched is returned unchanged).
+
+    Args:
+        model: a model of ``SUPPORTED_MODELS``.
+
+    Returns:
+        The same model.
+
+    Raises:
+        TypeError: for a model of no supported class.
+    """
+    return _adapter(model).remove_position_scheme(model)
