@@ -7,9 +7,11 @@ by a frequency allocation (which pair or head reads which row; :class:`Multimoda
 
 from .allocation import ALLOCATIONS, Allocation, build_allocation
 from .bipe import BiPESideIndex, bipe_side_index
+from .cca import cca_attention_mask, concentric_levels
 from .hope import sample_hope_scale
 from .ids import get_position_ids
 from .ppe_rotary import PPERotary
+from .pype import pype_attention_mask, pype_num_levels
 from .registry import MULTIMODAL_SCHEMES, MultimodalScheme, get_multimodal_scheme, list_multimodal_schemes
 from .rotary import MultimodalRotary, apply_multimodal_rotary, rotate_half
 from .v2pe import sample_v2pe_delta
@@ -31,4 +33,8 @@ __all__ = [
     "bipe_side_index",
     "BiPESideIndex",
     "PPERotary",
+    "cca_attention_mask",
+    "concentric_levels",
+    "pype_attention_mask",
+    "pype_num_levels",
 ]

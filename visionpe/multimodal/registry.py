@@ -15,12 +15,14 @@ from typing import Any
 
 from ..checks import check_instance
 from .bipe import bipe_design
-from .circle_rope import circle_rope_design
+from .cca import cca_design
+from .circle_rope import circle_rope_design, circle_rope_layer_of
 from .design import DesignOutput, VisualLayout
 from .hope import hope_design
 from .mrope import mrope_abs_time_design, mrope_design
 from .mrope_interleaved import mrope_interleaved_design
 from .ppe import ppe_design
+from .pype import pype_design, pype_layer_of
 from .rope_1d import rope_1d_design
 from .rope_dhr import rope_dhr_design
 from .v2pe import v2pe_design
@@ -32,13 +34,27 @@ __all__ = ["MultimodalScheme", "MULTIMODAL_SCHEMES", "get_multimodal_scheme", "l
 
 @dataclass(frozen=True)
 class MultimodalScheme:
-    """``design(layout, **options) -> DesignOutput`` and an allocation name from ``ALLOCATIONS`` with defaults."""
+    """``design(layout, **options) -> DesignOutput`` and an allocation name from ``ALLOCATIONS`` with defaults.
+
+    Properties a model adapter must honour beyond the ids:
+
+    - ``layer_of``: for designs whose ids differ per decoder layer (PyPE, Circle-RoPE's AGE), ``layer_of(layer,
+      options)`` names the first layer whose ids decoder layer ``layer`` shares (ValueError for options that cannot
+      place the layers); the design then takes ``layer=``. None: one set of ids for every layer.
+    - ``block_mask``: the design changes the causal mask inside each visual block (CCA, PyPE): key k is visible to
+      query q iff its position offset in the block is at most q's (:func:`~visionpe.multimodal.cca.visual_block_mask`).
+    - ``required_options``: options without a default that a model adapter must be given (the design accepts their
+      absence only where the result does not depend on them, e.g. PyPE's layer 0).
+    """
 
     name: str
     design: Callable[..., DesignOutput]
     allocation: str
     allocation_kwargs: dict[str, Any] = field(default_factory=dict)
     reference: str = ""
+    layer_of: Callable[[int, dict[str, Any]], int] | None = None
+    block_mask: bool = False
+    required_options: tuple[str, ...] = ()
 
     def design_options(self) -> list[str]:
         """Keyword options of the position design (``get_position_ids(scheme, ..., **options)``)."""
@@ -79,11 +95,29 @@ MULTIMODAL_SCHEMES: dict[str, MultimodalScheme] = {
         MultimodalScheme("vrope", vrope_design, "vrope", {}, "VRoPE (Liu et al. 2025)"),
         MultimodalScheme("videorope", videorope_design, "lta", {"mrope_section": (16, 24, 24)}, "VideoRoPE"),
         MultimodalScheme("hope", hope_design, "hope", {"mrope_section": (16, 24, 24)}, "HoPE (Li et al. 2025)"),
-        MultimodalScheme("circle_rope", circle_rope_design, "chunked", {"mrope_section": (16, 24, 24)}, "Circle-RoPE"),
+        MultimodalScheme(
+            "circle_rope",
+            circle_rope_design,
+            "chunked",
+            {"mrope_section": (16, 24, 24)},
+            "Circle-RoPE",
+            layer_of=circle_rope_layer_of,
+        ),
         MultimodalScheme("rope_dhr", rope_dhr_design, "single_axis", {}, "RoPE-DHR (CoMemo, Liu et al. 2025)"),
         MultimodalScheme("bipe", bipe_design, "single_axis", {}, "BiPE (He et al. 2024)"),
         MultimodalScheme("ppe", ppe_design, "chunked", {"mrope_section": (16, 24, 24)}, "PPE (Huang et al. 2026)"),
         MultimodalScheme("rope_1d", rope_1d_design, "single_axis", {}, "1-D RoPE (RoFormer, Su et al. 2024)"),
+        MultimodalScheme("cca", cca_design, "single_axis", {}, "CCA (Xing et al. 2024)", block_mask=True),
+        MultimodalScheme(
+            "pype",
+            pype_design,
+            "single_axis",
+            {},
+            "PyPE (Chen et al. 2025)",
+            layer_of=pype_layer_of,
+            block_mask=True,
+            required_options=("interval",),
+        ),
     )
 }
 

@@ -38,6 +38,10 @@ from ...multimodal.allocation import ALLOCATIONS
 from ...multimodal.ids import get_position_ids
 from ...multimodal.registry import get_multimodal_scheme
 from ...multimodal.rotary import MultimodalRotary, apply_multimodal_rotary
+from .layers import LayerPlan, check_attention_implementation
+from .layers import install as _install_layer_plan
+from .layers import installed_plan as _installed_layer_plan
+from .layers import uninstall as _uninstall_layer_plan
 
 __all__ = ["apply_position_scheme", "remove_position_scheme", "SUPPORTED_MODELS"]
 
@@ -182,6 +186,9 @@ def _prepare_position_ids_for_generation(self, inputs_tensor: torch.Tensor, mode
     if _wrapper_of(self.model) is None:  # patched through the outer model, removed through the inner one
         return own(inputs_tensor, model_kwargs)
     _require_token_types(self.model.visionpe_scheme, model_kwargs)
+    plan = _installed_layer_plan(self.model)
+    if plan is not None:  # generate drops the grids before the prefill: a mask or per-layer ids need them there
+        plan.remember_generation(model_kwargs)
     types_ = model_kwargs.get("mm_token_type_ids")
     has_grid = model_kwargs.get("image_grid_thw") is not None or model_kwargs.get("video_grid_thw") is not None
     ids = model_kwargs.get("input_ids")
@@ -239,6 +246,16 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
     ``apply_rotary_pos_emb`` is replaced, once per process, by a version that routes 4-D tables to
     :func:`~visionpe.multimodal.apply_multimodal_rotary` and everything else to the original.
 
+    Schemes with per-layer ids (``pype``, which needs ``interval=``; ``circle_rope`` with ``age=True``) and schemes
+    that change the attention mask inside each visual block (``cca``, ``pype``) get the model's ``forward``, its
+    language model's rotary and each decoder layer's ``forward`` replaced per instance
+    (:mod:`visionpe.integrations.hf.layers`): when the prompt is encoded the model builds every layer's ids and an
+    additive (B, 1, L, L) mask from the 2-D attention mask, the token types and the grids; decoding steps with a cache
+    shift each layer's text positions by that layer's decoding delta and keep the plain causal mask. The masks need
+    eager or SDPA attention: ``flash_attention_2`` (which would drop them silently) or any other implementation is a
+    ValueError when the scheme is applied and when the model is called. Visual tokens must all be in the first
+    (uncached) call.
+
     The visual layout comes from ``mm_token_type_ids`` only: the patched ``forward`` and
     ``generate`` raise a ValueError naming it when visual inputs (``pixel_values``, ``pixel_values_videos``,
     ``image_grid_thw``, ``video_grid_thw``) come without it, where transformers would use 1-D text positions, and
@@ -260,6 +277,15 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
         )
     if "second_per_grid_ts" in design_kwargs:
         raise ValueError("second_per_grid_ts is a per-call input: pass it to forward() / generate(), not here")
+    if entry.layer_of is not None and "layer" in design_kwargs:
+        raise ValueError(
+            f"{scheme}: layer is set per decoder layer by the adapter, got layer={design_kwargs['layer']!r}"
+        )
+    missing = [name for name in entry.required_options if design_kwargs.get(name) is None]
+    if missing:
+        raise ValueError(f"apply_position_scheme({scheme!r}) needs {', '.join(missing)}=: it has no default")
+    if entry.block_mask:
+        check_attention_implementation(vl_model.language_model.config, scheme)
     current_rotary = vl_model.language_model.rotary_emb
     patched_before = isinstance(current_rotary, _HFRotary)
     # the model's own rotary module, also when a scheme was applied before (its settings are the defaults)
@@ -306,6 +332,18 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
     _check_design_options(scheme, design_kwargs, spatial_merge_size)
     takes_time = "second_per_grid_ts" in entry.design_options()
     splits_videos = class_name == "Qwen3VLModel"
+    try:  # per-layer ids (PyPE, AGE) and intra-block masks (CCA, PyPE): checked here, installed after patching
+        layer_plan = LayerPlan(
+            entry,
+            design_kwargs,
+            int(text_config.num_hidden_layers),
+            spatial_merge_size=spatial_merge_size,
+            split_videos=splits_videos,
+            takes_time=takes_time,
+        )
+    except (TypeError, ValueError) as err:
+        kind = TypeError if isinstance(err, TypeError) else ValueError
+        raise kind(f"apply_position_scheme({scheme!r}): {err}") from err
 
     def get_rope_index(
         self,
@@ -356,8 +394,10 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
     if outer is not None:
         outer._prepare_position_ids_for_generation = types.MethodType(_prepare_position_ids_for_generation, outer)
     wrapper = _HFRotary(rotary, original_rotary, originals)
+    _uninstall_layer_plan(vl_model)  # an earlier scheme's, before its rotary is replaced
     vl_model.language_model.rotary_emb = wrapper.to(original_rotary.inv_freq.device)
     vl_model.rope_deltas = None
+    _install_layer_plan(vl_model, layer_plan)
     if rotary.per_head:
         modeling = importlib.import_module(SUPPORTED_MODELS[class_name])
         if not hasattr(modeling.apply_rotary_pos_emb, "visionpe_original"):
@@ -371,7 +411,8 @@ def remove_position_scheme(model: nn.Module) -> nn.Module:
     """Undo :func:`apply_position_scheme`, in place: the model runs with its own position scheme again.
 
     The language model's own rotary module and the class's ``get_rope_index``, ``compute_3d_position_ids`` and
-    ``_prepare_position_ids_for_generation`` (of a ``*ForConditionalGeneration``) are put back, the cached
+    ``_prepare_position_ids_for_generation`` (of a ``*ForConditionalGeneration``) are put back (and the forwards
+    replaced for per-layer ids or masks, see :func:`apply_position_scheme`), the cached
     ``rope_deltas`` are cleared and ``visionpe_scheme`` is deleted, so the logits equal the unpatched model's
     exactly. (Patched through the ``*ForConditionalGeneration`` and removed through its inner ``*Model``, the outer
     model keeps an inert ``_prepare_position_ids_for_generation`` that defers to the class's: remove through the
@@ -400,6 +441,7 @@ def remove_position_scheme(model: nn.Module) -> nn.Module:
         del obj.__dict__[name]
         if originals.get(name) is not None:
             setattr(obj, name, originals[name])
+    _uninstall_layer_plan(vl_model)
     if isinstance(current, _HFRotary):
         vl_model.language_model.rotary_emb = current.original
         vl_model.rope_deltas = None
