@@ -158,14 +158,19 @@ def _tables(model, grid_thw, **kwargs):
     return rotary, position_ids, coords, grids, rotary.layer_tables(coords, grids, 0)
 
 
-def test_ntk_matches_visionpe_rotation_per_image_and_changes_the_model():
+@pytest.mark.parametrize("scheme, mode", [("rope_axial", "ntk"), ("rope_axial", "yarn"), ("rope_mixed", "ntk")])
+def test_scaling_matches_visionpe_rotation_per_image_and_changes_the_model(scheme, mode):
     model = _model("qwen2_vl")
+    patched = apply_vision_rope(copy.deepcopy(model), scheme, extrapolation=mode, base_grid=(2, 2))
+    rotary = vision_tower(patched).rotary_pos_emb
     grid_thw = torch.tensor([[1, 4, 4], [1, 4, 6], [2, 4, 4]])
-    rotary, position_ids, _, _, (cos, sin) = _tables(model, grid_thw, extrapolation="ntk", base_grid=(2, 2))
-    *_, (plain_cos, _) = _tables(model, grid_thw)
-    assert not torch.allclose(cos, plain_cos, atol=1e-3)
+    position_ids = get_vision_position_ids(grid_thw, MERGE)
+    coords, grids = rotary.positions(position_ids, grid_thw)
+    cos, sin = rotary.layer_tables(coords, grids, 0)
+    if cos.ndim == 2:  # shared by the heads
+        cos, sin = cos[:, None], sin[:, None]
     x = torch.randn(len(cos), 2, 16, generator=torch.Generator().manual_seed(0))
-    rotated = x * cos[:, None] + _rotate_half(x) * sin[:, None]  # the tower's rotation
+    rotated = x * cos + _rotate_half(x) * sin  # the tower's rotation
     half = torch.arange(8)
     interleave = torch.stack((half, half + 8), -1).flatten()  # visionpe's pair j = the tower's (j, j + d/2)
     start = 0
@@ -176,8 +181,11 @@ def test_ntk_matches_visionpe_rotation_per_image_and_changes_the_model():
         ref = rotary.scheme.rotate(x_vpe, position_ids[rows].float(), grid_size=(h, w))
         torch.testing.assert_close(rotated[rows], ref[0].transpose(0, 1)[..., interleave.argsort()], atol=1e-5, rtol=0)
     inputs = hf.batch(IMAGES)
-    patched = apply_vision_rope(copy.deepcopy(model), extrapolation="ntk", base_grid=(2, 2))
-    assert not torch.allclose(_logits(patched, inputs), _logits(model, inputs), atol=1e-4)
+    scaled = _logits(patched, inputs)
+    rotary.scheme.set_extrapolation("none")  # the same frequencies, unscaled
+    plain_cos, _ = rotary.layer_tables(coords, grids, 0)
+    assert not torch.allclose(cos.squeeze(1), plain_cos, atol=1e-3)
+    assert not torch.allclose(scaled, _logits(patched, inputs), atol=1e-4)
 
 
 def test_pi_interpolates_each_images_positions_against_the_base_grid():
