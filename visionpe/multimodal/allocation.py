@@ -11,6 +11,9 @@ row: pair n rotates by phi_n = theta_n * sum_a mix[n, a] * p_a, theta_n = base^(
 
 PPE's split allocation is the one multi-position allocation: its mix has 3K columns, one per row of ids
 (3K, B, L) that carry K representatives' (t, h, w) (:class:`~visionpe.multimodal.ppe.PPERotary` reads them).
+
+The tables are built on the CPU whatever the default device (also inside a meta-device context); the rotary that
+reads them moves them with its other buffers.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ __all__ = [
     "ppe_split_allocation",
     "build_allocation",
 ]
+
+# Allocations are small tables built on the CPU, whatever the default device: also inside `with torch.device("meta")`
+# (a model built for meta-device loading), where their data-dependent steps (nonzero, repeat_interleave) cannot run.
+_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,7 @@ def _check_pairs(num_pairs: int) -> None:
 
 def _one_hot(axes: torch.Tensor) -> torch.Tensor:
     """(P,) row index per pair, -1 for zero frequency -> (P, 3) mixing matrix."""
-    mix = torch.zeros(len(axes), 3)
+    mix = torch.zeros(len(axes), 3, device=_CPU)
     keep = axes >= 0
     mix[keep.nonzero()[:, 0], axes[keep]] = 1.0
     return mix
@@ -119,7 +126,7 @@ def chunked_allocation(num_pairs: int, mrope_section: Sequence[int] = (16, 24, 2
     section = _check_section(mrope_section)
     if sum(section) != num_pairs:
         raise ValueError(f"mrope_section {section} must sum to num_pairs={num_pairs} (head_dim // 2)")
-    axes = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    axes = torch.repeat_interleave(torch.arange(3, device=_CPU), torch.tensor(section, device=_CPU))
     return Allocation(_one_hot(axes))
 
 
@@ -138,8 +145,8 @@ def interleaved_allocation(num_pairs: int, mrope_section: Sequence[int] = (24, 2
             f"3 * s_h <= num_pairs + 1 and 3 * s_w <= num_pairs, i.e. s_h <= {max_h} and s_w <= {max_w}, "
             f"got s_h={section[1]}, s_w={section[2]}"
         )
-    n = torch.arange(num_pairs)
-    axes = torch.zeros(num_pairs, dtype=torch.long)
+    n = torch.arange(num_pairs, device=_CPU)
+    axes = torch.zeros(num_pairs, dtype=torch.long, device=_CPU)
     axes[(n % 3 == 1) & (n < 3 * section[1])] = 1
     axes[(n % 3 == 2) & (n < 3 * section[2])] = 2
     return Allocation(_one_hot(axes))
@@ -152,7 +159,7 @@ def lta_allocation(num_pairs: int, mrope_section: Sequence[int] = (16, 24, 24)) 
     if sum(section) != num_pairs or section[1] != section[2]:
         raise ValueError(f"mrope_section {section} must sum to num_pairs={num_pairs} with s_h == s_w for LTA")
     spatial = section[1] + section[2]
-    n = torch.arange(num_pairs)
+    n = torch.arange(num_pairs, device=_CPU)
     axes = torch.where(n < spatial, 1 + n % 2, torch.zeros_like(n))
     return Allocation(_one_hot(axes))
 
@@ -167,14 +174,14 @@ def hope_allocation(num_pairs: int, mrope_section: Sequence[int] = (16, 24, 24))
 def vrope_allocation(num_pairs: int) -> Allocation:
     """VRoPE: pair n reads diagonal variant n % 4; variants 0-2 are rows t, h, w and variant 3 is h + w - t."""
     _check_pairs(num_pairs)
-    variants = torch.tensor([[1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0], [-1.0, 1.0, 1.0]])
-    return Allocation(variants[torch.arange(num_pairs) % 4])
+    variants = torch.tensor([[1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0], [-1.0, 1.0, 1.0]], device=_CPU)
+    return Allocation(variants[torch.arange(num_pairs, device=_CPU) % 4])
 
 
 def single_axis_allocation(num_pairs: int) -> Allocation:
     """1-D RoPE: every pair reads row t (the rows are equal for 1-D designs such as V2PE)."""
     _check_pairs(num_pairs)
-    return Allocation(_one_hot(torch.zeros(num_pairs, dtype=torch.long)))
+    return Allocation(_one_hot(torch.zeros(num_pairs, dtype=torch.long, device=_CPU)))
 
 
 def head_allocation(num_kv_heads: int, mrope_section: Sequence[int] | None = None) -> Allocation:
@@ -193,8 +200,8 @@ def head_allocation(num_kv_heads: int, mrope_section: Sequence[int] | None = Non
         raise ValueError(f"mrope_section {section} assigns {sum(section)} heads but there are {num_kv_heads}")
     axes = torch.cat(
         [
-            torch.repeat_interleave(torch.arange(3), torch.tensor(section)),
-            torch.full((num_kv_heads - sum(section),), -1),
+            torch.repeat_interleave(torch.arange(3, device=_CPU), torch.tensor(section, device=_CPU)),
+            torch.full((num_kv_heads - sum(section),), -1, device=_CPU),
         ]
     )
     return Allocation(_one_hot(axes), per_head=True)
@@ -219,12 +226,12 @@ def ppe_split_allocation(
     k = num_representatives
     if all(s % k == 0 for s in section):
         # section i of the sub-band list reads row i; sub-band k of axis a is the a K + k-th section
-        widths = torch.tensor([s // k for s in section for _ in range(k)])
-        rows = torch.repeat_interleave(torch.arange(3 * k), widths)
+        widths = torch.tensor([s // k for s in section for _ in range(k)], device=_CPU)
+        rows = torch.repeat_interleave(torch.arange(3 * k, device=_CPU), widths)
     else:
-        rows = torch.arange(num_pairs) % (3 * k)
-    mix = torch.zeros(num_pairs, 3 * k)
-    mix[torch.arange(num_pairs), rows] = 1.0
+        rows = torch.arange(num_pairs, device=_CPU) % (3 * k)
+    mix = torch.zeros(num_pairs, 3 * k, device=_CPU)
+    mix[torch.arange(num_pairs, device=_CPU), rows] = 1.0
     return Allocation(mix)
 
 

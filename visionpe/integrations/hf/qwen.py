@@ -293,8 +293,13 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
     text_config = vl_model.config.text_config
     vision_config = vl_model.config.vision_config
     rope = dict(getattr(text_config, "rope_parameters", None) or {})
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"apply_position_scheme supports rope_type 'default', the model uses {rope['rope_type']!r}")
+    from ...multimodal.rotary import RopeScaling  # the model's RoPE scaling, applied to the scheme's frequencies
+
+    try:
+        rope_scaling = RopeScaling.from_rope_parameters(rope, getattr(text_config, "max_position_embeddings", None))
+    except (TypeError, ValueError) as err:
+        kind = TypeError if isinstance(err, TypeError) else ValueError
+        raise kind(f"apply_position_scheme: the model's text_config.rope_parameters are not supported: {err}") from err
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
     num_pairs = head_dim // 2
 
@@ -323,7 +328,7 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
         scheme,
         head_dim,
         base=float(rope.get("rope_theta", 10000.0)),
-        attention_scaling=float(getattr(original_rotary, "attention_scaling", 1.0)),
+        rope_scaling=rope_scaling,  # its attention scaling (YaRN's) included
         **rotary_kwargs,
     )
     spatial_merge_size = int(vision_config.spatial_merge_size)
