@@ -216,6 +216,33 @@ def test_v2pe_ids_follow_the_rule_per_image(models, family):
         assert (ids[b][~valid] == 0).all()
 
 
+def test_internvl_tiles_are_the_grid_that_rope_dhr_reads(models):
+    """An InternVL image of 2 x 1 tiles and its thumbnail (3 tiles of 4 x 4 tokens): tile tokens take the ids of
+    the thumbnail tokens over the same region (RoPE-DHR's released rule with its 1e-6 shrink), the image uses 16 ids."""
+    model = apply_position_scheme(copy.deepcopy(models["internvl"]), "rope_dhr", tile_grid=torch.tensor([[2, 1]]))
+    seen = _capture_ids(model)
+    inputs = dict(
+        input_ids=torch.tensor([[5, 6, 7] + [IMAGE] * 3 * INTERNVL_TILE + [8, 9]]),
+        pixel_values=torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(2)),
+    )
+    with torch.no_grad():
+        model(**inputs)
+
+    def floor_linspace(start, stop, k, num=4):  # numpy.linspace(start, stop, num)[k], floored
+        return math.floor(stop if k == num - 1 else start + k * (stop - start) / (num - 1))
+
+    p, w, h = 3, 4 / 2 - 1e-6, 4 / 1 - 1e-6
+    expected = [0, 1, 2]
+    for tile in range(2):
+        for r in range(4):
+            for c in range(4):
+                x = floor_linspace(tile * w, (tile + 1) * w, c)
+                expected.append(p + 4 * floor_linspace(0, h, r) + x)
+    expected += [p + 4 * r + c for r in range(4) for c in range(4)] + [p + 16, p + 17]
+    assert seen[0][0].tolist() == expected
+    assert expected[3:7] == [3, 3, 4, 4] and expected[19:23] == [4, 5, 6, 6]  # tile 1 starts one column early
+
+
 def test_onevision_mrope_ids_lay_out_base_view_and_newline_grid(models):
     """Each anyres image: base view 4x4 then the unpadded view of R x C with a newline closing each row, as two
     M-RoPE grids (1, 4, 4) and (1, R, C + 1); R, C come from image_sizes (10x18 px: 4x8, 12x8 px: 6x4)."""
