@@ -441,6 +441,11 @@ def test_bad_inputs_raise_naming_the_argument(models):
     with pytest.raises(ValueError, match="delta must be positive"):
         apply_position_scheme(model, "v2pe", delta=-1.0)
     assert not hasattr(model, "visionpe_scheme")  # nothing patched after the errors
+    scaled = copy.deepcopy(model)
+    scaled.config.text_config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="supports rope_type 'default'.*uses rope_type 'linear'"):
+        apply_position_scheme(scaled, "mrope")
+    assert apply_position_scheme(scaled, "rope_1d").visionpe_scheme == "rope_1d"  # keeps the model's own rotary
     apply_position_scheme(model, "v2pe", delta=0.3)  # a block of 16 ends at 4.8: the next text is not last + 1
     inputs = batch("llava", model)
     with torch.no_grad():
