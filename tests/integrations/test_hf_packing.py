@@ -123,12 +123,14 @@ def test_packed_logits_and_gradients_equal_the_padded_batch(scheme, attn):
 
 @pytest.mark.parametrize("family, scheme", [("qwen2_5_vl", "mrope_abs_time"), ("qwen3_vl", "mrope_interleaved")])
 def test_packed_videos_equal_the_padded_batch(family, scheme):
-    """Qwen2.5-VL's absolute time (second_per_grid_ts per video) and Qwen3-VL's one block per frame."""
-    model = apply_position_scheme(copy.deepcopy(_model(family, "sdpa")), scheme)
+    """Qwen2.5-VL's absolute time (second_per_grid_ts per video) and Qwen3-VL's one block per frame; the collator
+    takes the options given to apply_position_scheme, the rotary's mrope_section included."""
+    options = {"mrope_section": (2, 3, 3) if family == "qwen2_5_vl" else (4, 2, 2)}
+    model = apply_position_scheme(copy.deepcopy(_model(family, "sdpa")), scheme, **options)
     inputs = hf.batch(VIDEO_SAMPLES)
     if family == "qwen2_5_vl":
         inputs["second_per_grid_ts"] = torch.tensor([1.0, 0.5])
-    collator = QwenVLPackingCollator.from_model(model)
+    collator = QwenVLPackingCollator.from_model(model, **options)
     assert collator.split_video_frames == (family == "qwen3_vl")
     _check_packed_equals_batch(model, inputs, collator(_features(inputs, VIDEO_SAMPLES)))
 

@@ -34,7 +34,7 @@ from torch import nn
 from ...checks import check_bool, check_instance, check_int
 from ...multimodal.ids import get_position_ids
 from ...multimodal.registry import get_multimodal_scheme
-from .qwen import _inner_model
+from .qwen import _ROTARY_OPTIONS, _inner_model
 
 __all__ = ["pack_qwen_vl_features", "QwenVLPackingCollator", "check_packable"]
 
@@ -288,7 +288,8 @@ class QwenVLPackingCollator:
 
         The scheme is ``model.visionpe_scheme``; ``spatial_merge_size`` comes from the vision config, the frame
         split from the model family (Qwen3-VL) and, for ``mrope_abs_time``, ``tokens_per_second`` from the vision
-        config unless given, as the adapter does. Pass the same design options as to ``apply_position_scheme``.
+        config unless given, as the adapter does. Pass the same options as to ``apply_position_scheme``
+        (``mrope_section``, an option of the rotary, is ignored here).
         """
         vl_model, class_name = _inner_model(model)
         scheme = getattr(vl_model, "visionpe_scheme", None)
@@ -298,6 +299,8 @@ class QwenVLPackingCollator:
                 "first, or build QwenVLPackingCollator(scheme, ...) directly"
             )
         vision_config = vl_model.config.vision_config
+        # the rotary's own options (mrope_section) are the model's business, not the ids'
+        scheme_options = {k: v for k, v in scheme_options.items() if k not in _ROTARY_OPTIONS}
         if scheme == "mrope_abs_time" and "tokens_per_second" not in scheme_options:
             scheme_options["tokens_per_second"] = float(getattr(vision_config, "tokens_per_second", 2))
         return cls(
