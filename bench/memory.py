@@ -42,12 +42,16 @@ def _status_mb(field: str) -> float:
     raise RuntimeError(f"{field} not found in /proc/self/status")
 
 
-def worker(scheme: str, size: int, batch: int, model_size: str, threads: int) -> dict:
-    """Measure one model; returns {"scheme", "growth_mb", "seconds"}."""
+def worker(scheme: str, size: int, batch: int, model_size: str, threads: int, attn_backend: str = "sdpa") -> dict:
+    """Measure one model; returns {"scheme", "growth_mb", "seconds"}.
+
+    ``attn_backend="flex"`` runs visionpe's bias schemes through FlexAttention
+    (:func:`visionpe.set_attention_backend`); its kernel is compiled for the measured shape by a warm-up forward at
+    that size, so the measured forward holds neither compilation nor its memory."""
     import timm
     import torch
 
-    import visionpe  # noqa: F401  (registers the visionpe models)
+    import visionpe  # registers the visionpe models
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -56,9 +60,12 @@ def worker(scheme: str, size: int, batch: int, model_size: str, threads: int) ->
     else:
         model = timm.create_model(f"visionpe_vit_{model_size}_patch16_224", pos_embed=scheme, dynamic_img_size=True)
     model.eval()
+    if attn_backend != "sdpa":
+        visionpe.set_attention_backend(model, attn_backend)
     images = torch.randn(batch, 3, size, size)
     with torch.inference_mode():
-        model(torch.randn(1, 3, 64, 64))  # load kernels and lazily built state outside the measurement
+        # load kernels and lazily built state outside the measurement (and compile FlexAttention for this shape)
+        model(torch.randn(1, 3, 64, 64) if attn_backend == "sdpa" else images)
         before = _status_mb("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM (peak RSS) to the current RSS
@@ -98,6 +105,12 @@ def main() -> None:
         action="store_true",
         help="measure --schemes (and timm) again and keep the other rows of <out>/memory.csv from its last run",
     )
+    parser.add_argument(
+        "--attn-backend",
+        default="sdpa",
+        choices=("sdpa", "flex"),
+        help="attention of the bias schemes (visionpe.set_attention_backend); flex: see bench/fused_bias.py",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     for name in ("size", "batch", "threads"):
@@ -109,7 +122,7 @@ def main() -> None:
         sys.exit("this benchmark needs Linux /proc/self/clear_refs to reset the peak-RSS counter")
 
     if args.worker:
-        print(json.dumps(worker(args.worker, args.size, args.batch, args.model, args.threads)))
+        print(json.dumps(worker(args.worker, args.size, args.batch, args.model, args.threads, args.attn_backend)))
         return
     kept = previous_rows(Path(args.out), args.schemes) if args.update else ({}, "")
     if args.update and not args.schemes:

@@ -24,6 +24,7 @@ computation. A recorded attention keeps its whole bias for the backward in any c
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, ClassVar
@@ -35,10 +36,22 @@ from timm.models.vision_transformer import Block
 from torch import nn
 
 from .base import BiasPositionEncoding
+from .bias.offsets import OffsetBias, offset_score_mod
+from .checks import check_choice, check_instance
 from .rotary.state import ChainedRotation, IdentityRotation, LayerRotation, RotaryState, split_heads
 from .tokens import gather_pairs, gather_tokens, scatter_pairs, scatter_tokens
 
-__all__ = ["PositionContext", "PosAttention", "PosBlock", "position_attention"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "PositionContext",
+    "PosAttention",
+    "PosBlock",
+    "flex_attention_available",
+    "position_attention",
+    "set_attention_backend",
+]
+
+ATTENTION_BACKENDS = ("sdpa", "flex")
 
 
 @dataclass
@@ -87,6 +100,8 @@ class PosAttention(Attention):
     # 16 MB, not more: at 1024 px 32 MB chunks still left the forward's peak at 1.5-2x the plain ViT's (on
     # CPU, freed blocks of that size stay resident), 16 MB about 1.1x
     bias_chunk_bytes: ClassVar[int] = 16 * 2**20
+    #: "sdpa" (default) or "flex": see :func:`set_attention_backend`
+    attn_backend: str = "sdpa"
 
     def __init__(self, *args, layer: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -152,6 +167,9 @@ class PosAttention(Attention):
         symbolic = isinstance(N, torch.SymInt)
         chunking = pos.bias and not is_causal and pos.keep is None and not recorded and not symbolic
         chunk = self.query_chunk_rows(B, N) if chunking else N
+        terms = self._fused_terms(q, k, pos, attn_mask, is_causal, symbolic)
+        if terms is not None:
+            return _flex_attention(q, k, v, offset_score_mod(terms), self.scale)
         if chunk >= N:
             return self._attend(q, k, v, pos, attn_mask, is_causal, None, tokens)
         # a mask with one row per query is cut like the bias; a broadcast row is shared by every chunk
@@ -172,6 +190,36 @@ class PosAttention(Attention):
             ],
             dim=2,
         )
+
+    def _fused_terms(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        pos: PositionContext,
+        attn_mask: torch.Tensor | None,
+        is_causal: bool,
+        symbolic: bool,
+    ) -> list[OffsetBias] | None:
+        """Every bias scheme's per-offset terms where this block runs FlexAttention (``attn_backend="flex"``), else
+        None: the dense path then runs (see :func:`set_attention_backend` for when it does)."""
+        if self.attn_backend != "flex" or not pos.bias or pos.camera or pos.keep is not None or symbolic:
+            return None
+        if attn_mask is not None or is_causal or pos.needs_probs or pos.augments_qk:
+            return None
+        if self.training and self.attn_drop.p > 0:
+            return None
+        recorded = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+        if recorded and q.device.type == "cpu":  # FlexAttention has no CPU backward
+            return None
+        terms = []
+        for scheme, state in pos.bias:
+            if scheme.needs_tokens:
+                return None
+            scheme_terms = scheme.fused_bias(q, k, state, self.layer)
+            if scheme_terms is None:
+                return None
+            terms += scheme_terms
+        return terms
 
     def _attend_cameras(
         self,
@@ -349,3 +397,70 @@ def position_attention(
     or without timm's tracer settings, and compute what the eager model does.
     """
     return attn(x, attn_mask=attn_mask, is_causal=is_causal, pos=pos)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # static shapes: one kernel per (batch, heads, tokens) shape, reused by every forward and every closure over new
+    # values (the values are inputs of the compiled graph, not constants)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod, scale: float) -> torch.Tensor:
+    """FlexAttention with ``score_mod``: compiled once per process, or inlined into a graph being compiled."""
+    if torch.compiler.is_compiling():
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, score_mod=score_mod, scale=scale)
+    return _compiled_flex_attention()(q, k, v, score_mod=score_mod, scale=scale)
+
+
+def flex_attention_available() -> bool:
+    """Whether this PyTorch has FlexAttention (``torch.nn.attention.flex_attention``, PyTorch >= 2.5)."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def set_attention_backend(model: nn.Module, backend: str) -> nn.Module:
+    """Run the bias schemes of ``model`` through FlexAttention (``"flex"``) or the dense SDPA path (``"sdpa"``).
+
+    With ``"flex"``, a block whose bias schemes all give their bias per grid offset
+    (:meth:`~visionpe.base.BiasPositionEncoding.fused_bias`: ``alibi2d``, ``lookhere``, ``kerple_log``,
+    ``kerple_power``, ``bam`` and ``irpe`` on q and k) adds it inside the attention kernel, pair by pair, through a
+    ``score_mod`` that reads a table of O(H W) values: no (B, heads, N, N) bias is built, at any image size, and no
+    query chunks are needed. The result equals the SDPA path's to float rounding. FlexAttention is compiled with
+    ``torch.compile`` on first use (once per shape; tens of seconds on a CPU).
+
+    The dense path runs instead, block by block, where FlexAttention cannot: a scheme without per-offset terms (FIRE,
+    Cable, a training-time ``coord_augment``, iRPE on v), patch dropout, an attention mask, attention dropout in
+    training, camera schemes, export with a dynamic image size, and, on the CPU, attention that autograd records
+    (FlexAttention has no CPU backward: training on a CPU keeps SDPA; inference uses the kernel).
+
+    Args:
+        model: any module; every :class:`PosAttention` in it is switched.
+        backend: ``"flex"`` or ``"sdpa"`` (the default of every model).
+
+    Returns:
+        The same model.
+
+    Example:
+        >>> import timm, visionpe
+        >>> model = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed="alibi2d")
+        >>> _ = visionpe.set_attention_backend(model, "flex")
+    """
+    check_instance(model, "model", nn.Module, expected="a torch.nn.Module")
+    check_choice(backend, "backend", ATTENTION_BACKENDS)
+    if backend == "flex" and not flex_attention_available():
+        raise RuntimeError(
+            "backend='flex' needs torch.nn.attention.flex_attention (PyTorch >= 2.5); "
+            f"this is PyTorch {torch.__version__}"
+        )
+    for module in model.modules():
+        if isinstance(module, PosAttention):
+            module.attn_backend = backend
+    return model

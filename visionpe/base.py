@@ -353,3 +353,10 @@ class BiasPositionEncoding(PositionEncoding, ABC):
         """Extra attention output (B, num_heads, R, head_dim) from the probabilities ``attn`` (B, num_heads, R, N)
         of the query ``rows`` (all rows for None)."""
         raise RuntimeError(f"{type(self).__name__} sets needs_probs=False and has no value term")
+
+    def fused_bias(self, q: torch.Tensor, k: torch.Tensor, state: Any, layer: int) -> list | None:
+        """The bias of block ``layer`` as per-offset terms (:class:`~visionpe.bias.offsets.OffsetBias`) that fused
+        attention reads pair by pair (FlexAttention's ``score_mod``, :func:`~visionpe.attention.set_attention_backend`),
+        with the values ``attn_bias`` gives for all rows; or None where the bias is not a function of the grid offset
+        (the default: such schemes keep the dense path). ``q`` and ``k`` as in ``attn_bias`` with every row."""
+        return None

@@ -24,7 +24,15 @@ from ..checks import check_int
 from ..grid import grid_coords, validate_grid_size
 from ..registry import register_scheme
 from .distance import CoordinateState, coordinate_distances
-from .offsets import DistanceState, GlobalSlope, distance_state, gather_offsets, query_rows, span_length
+from .offsets import (
+    DistanceState,
+    GlobalSlope,
+    OffsetBias,
+    distance_state,
+    gather_offsets,
+    query_rows,
+    span_length,
+)
 
 __all__ = ["Alibi2D", "alibi_slopes", "grid_distances"]
 
@@ -111,10 +119,22 @@ class Alibi2D(GlobalSlope, BiasPositionEncoding):
         # distances and the slopes first rounds three times (the package's precision rule). Scale and round the
         # (h, K + 1) table, then gather: the same values as scaling the gathered distances, without an fp32 (R, N)
         # block.
-        compute = torch.promote_types(q.dtype, torch.float32)
-        slopes = (-self.global_slope * self.slopes).to(compute)
         if isinstance(state, CoordinateState):  # drawn coordinates: each pair's distance
+            compute = torch.promote_types(q.dtype, torch.float32)
+            slopes = (-self.global_slope * self.slopes).to(compute)
             distances = coordinate_distances(state, "euclidean", rows)[0].to(compute)
             return (slopes[:, None, None] * distances).to(q.dtype)[None]
-        table = (slopes[:, None] * state.table.to(compute)).to(q.dtype)
+        table = self._offset_values(state, q.dtype)
         return gather_offsets(table, state.offset_index(query_rows(rows, n), query_rows(None, n)))[None]
+
+    def _offset_values(self, state: DistanceState, dtype: torch.dtype) -> torch.Tensor:
+        """(h, K + 1) bias per grid offset, scaled in fp32 (fp64 for fp64 ``dtype``) and rounded once to ``dtype``."""
+        compute = torch.promote_types(dtype, torch.float32)
+        slopes = (-self.global_slope * self.slopes).to(compute)
+        return (slopes[:, None] * state.table.to(compute)).to(dtype)
+
+    def fused_bias(self, q: torch.Tensor, k: torch.Tensor, state: DistanceState, layer: int) -> list[OffsetBias] | None:
+        """The bias per grid offset for fused attention (None for drawn coordinates, which are no grid offset)."""
+        if not isinstance(state, DistanceState):
+            return None
+        return [OffsetBias(state, self._offset_values(state, q.dtype)[None, :, None])]

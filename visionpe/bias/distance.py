@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..base import BiasPositionEncoding, check_layer, check_model_shape
 from ..checks import check_choice
-from .offsets import OffsetState, gather_offsets, offset_state, query_rows
+from .offsets import OffsetBias, OffsetState, gather_offsets, offset_state, query_rows
 
 __all__ = [
     "DISTANCES",
@@ -167,6 +167,14 @@ class DistanceKernelBias(BiasPositionEncoding):
             return values.unflatten(-1, distances.shape[1:]).to(q.dtype)[None]
         table = self.offset_table(state, layer, q.dtype)
         return gather_offsets(table, state.offset_index(query_rows(rows, n), range(n)))[None]
+
+    def fused_bias(
+        self, q: torch.Tensor, k: torch.Tensor, state: AxisDistanceState, layer: int
+    ) -> list[OffsetBias] | None:
+        """The kernel's bias per grid offset for fused attention (None for drawn coordinates, no grid offset)."""
+        if not isinstance(state, AxisDistanceState):
+            return None
+        return [OffsetBias(state, self.offset_table(state, layer, q.dtype)[None, :, None])]
 
     def kernel_parameter(self, init: torch.Tensor | float = 0.0, *, uniform: float | None = None) -> torch.Tensor:
         """A (depth, A, num_heads) kernel parameter: ``init`` everywhere, or U(0, ``uniform``) draws."""

@@ -37,7 +37,7 @@ from ..base import BiasPositionEncoding, check_model_shape
 from ..checks import check_bool, check_choice, check_instance, check_int, check_positive, check_tensor
 from ..grid import is_symbolic_grid, validate_grid_size
 from ..registry import register_scheme
-from .offsets import OffsetState, gather_offsets, offset_state, query_rows, span_length
+from .offsets import OffsetBias, OffsetState, gather_offsets, offset_state, query_rows, span_length
 
 __all__ = [
     "IRPE",
@@ -365,6 +365,30 @@ class IRPE(BiasPositionEncoding):
         if bias is None:  # values only: no logit term
             return q.new_zeros(1, 1, 1, 1)
         return bias.to(q.dtype) if exact else bias
+
+    def fused_bias(self, q: torch.Tensor, k: torch.Tensor, state: IRPEState, layer: int) -> list[OffsetBias]:
+        """The logit terms per grid offset for fused attention, with the values :meth:`attn_bias` adds.
+
+        Each term reads a bucket's value through ``state.table`` (the bucket of every grid offset; cross: one term per
+        half): the table itself in bias mode, the products q R^K (B, h, P + N, n_b) of every query in contextual mode;
+        the query-side term reads key j's row at the bucket of p_j - p_i. Computed in fp32 for half-precision q and k.
+        """
+        self._check_rows(q, state, "q", None)
+        self._check_rows(k, state, "k", None)
+        self._check_layer(layer)
+        scale = self.head_dim**-0.5
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), torch.float32)
+        columns = state.table.long().unbind(0) if self.method == "cross" else (state.table.long(),)
+        terms = []
+        with torch.autocast(q.device.type, enabled=False):
+            for target in self.on.replace("v", ""):
+                table = self._table(target, layer)
+                if self.mode == "bias":
+                    values = table.to(dtype)[None, :, None, :]
+                else:
+                    values = (q if target == "k" else k).to(dtype) @ (table * scale).to(dtype)
+                terms += [OffsetBias(state, values, column, by_key=target == "q") for column in columns]
+        return terms
 
     def value_term(self, attn: torch.Tensor, state: IRPEState, layer: int, rows: slice | None = None) -> torch.Tensor:
         """sum_j a_ij r^V_{I(i,j)}: probabilities ``attn`` (B, h, R, P + N) -> (B, h, R, head_dim).

@@ -28,7 +28,15 @@ from ..checks import check_choice, check_float, check_int, check_positive, is_nu
 from ..grid import grid_coords, validate_grid_size
 from ..registry import register_scheme
 from .distance import CoordinateState
-from .offsets import GlobalSlope, OffsetState, distance_state, gather_offsets, query_rows, span_length
+from .offsets import (
+    GlobalSlope,
+    OffsetBias,
+    OffsetState,
+    distance_state,
+    gather_offsets,
+    query_rows,
+    span_length,
+)
 
 __all__ = ["LookHere", "LookHereState", "LOOKHERE_VARIANTS", "lookhere_heads", "lookhere_fov_masks"]
 
@@ -236,12 +244,26 @@ class LookHere(GlobalSlope, BiasPositionEncoding):
         # distances and the slopes first rounds three times (the package's precision rule). Scale and round the
         # small table, then gather: the same values as scaling gathered distances, without an fp32 (R, N) block.
         # Outside the view +inf times a negative slope is -inf, which the cast keeps.
-        compute = torch.promote_types(q.dtype, torch.float32)
-        slopes = (-self.global_slope * self.layer_slopes[layer] * self.head_slopes).to(compute)
         if isinstance(state, CoordinateState):  # drawn coordinates: each pair's view and distance
+            compute = torch.promote_types(q.dtype, torch.float32)
+            slopes = (-self.global_slope * self.layer_slopes[layer] * self.head_slopes).to(compute)
             dy, dx = (-d for d in state.offsets(rows))  # p_j - p_i, as the views are defined
             views = torch.stack([_fov_mask(dy, dx, d, self.fov) for d in self.directions])
             penalty = dy.square().add(dx.square()).sqrt().expand_as(views).masked_fill(~views, float("inf"))
             return (penalty.to(compute) * slopes[:, None, None]).to(q.dtype)[None]
-        table = (state.penalty.to(compute) * slopes[:, None]).to(q.dtype)
+        table = self._offset_values(state, layer, q.dtype)
         return gather_offsets(table, state.offset_index(selected, query_rows(None, n)))[None]
+
+    def _offset_values(self, state: LookHereState, layer: int, dtype: torch.dtype) -> torch.Tensor:
+        """(h, K + 1) bias of block ``layer`` per grid offset, -inf outside a head's view, scaled in fp32 (fp64 for
+        fp64 ``dtype``) and rounded once to ``dtype``."""
+        compute = torch.promote_types(dtype, torch.float32)
+        slopes = (-self.global_slope * self.layer_slopes[layer] * self.head_slopes).to(compute)
+        return (state.penalty.to(compute) * slopes[:, None]).to(dtype)
+
+    def fused_bias(self, q: torch.Tensor, k: torch.Tensor, state: LookHereState, layer: int) -> list[OffsetBias] | None:
+        """The bias per grid offset for fused attention (None for drawn coordinates, which are no grid offset)."""
+        if not isinstance(state, LookHereState):
+            return None
+        check_layer(layer, self.layer_slopes.numel(), type(self).__name__)
+        return [OffsetBias(state, self._offset_values(state, layer, q.dtype)[None, :, None])]
