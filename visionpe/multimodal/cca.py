@@ -33,7 +33,15 @@ import torch
 from ..checks import check_instance, check_int
 from .design import DesignOutput, VisualLayout, parse_layout
 
-__all__ = ["concentric_levels", "cca_design", "cca_attention_mask", "visual_block_mask"]
+__all__ = [
+    "concentric_levels",
+    "ring_levels",
+    "cca_design",
+    "cca_attention_mask",
+    "visual_block_mask",
+    "additive_mask",
+    "check_mask_dtype",
+]
 
 
 def concentric_levels(height: int, width: int) -> torch.Tensor:
