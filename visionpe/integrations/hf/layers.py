@@ -66,9 +66,12 @@ def check_attention_implementation(config: Any, scheme: str) -> None:
 class _Call:
     """What one forward needs in its decoder layers: id offsets, visibility, and the tables and masks made from them."""
 
-    def __init__(self, offsets: dict[int, torch.Tensor], allowed: dict[int, torch.Tensor]) -> None:
+    def __init__(
+        self, offsets: dict[int, torch.Tensor], allowed: dict[int, torch.Tensor], alias: dict[int, int]
+    ) -> None:
         self.offsets = offsets  # variant -> (3, B, L) (prefill) or (B, 1) (decoding), added to the model's ids
         self.allowed = allowed  # variant -> (B, L, L) bool
+        self.alias = alias  # variant -> an earlier variant with the same ids on this batch (PyPE once K(l) = 1)
         self.tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._masks: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -115,6 +118,7 @@ class LayerPlan:
         self.split_videos = split_videos
         self.takes_time = takes_time
         self.deltas: dict[int, torch.Tensor] | None = None
+        self.alias: dict[int, int] = {}
         self.generation: dict[str, Any] | None = None
         self.call: _Call | None = None
 
@@ -208,8 +212,8 @@ class LayerPlan:
                 return None
             batch = tokens.shape[0]
             offsets = {v: d.repeat_interleave(batch // d.shape[0], dim=0) for v, d in self.deltas.items()}
-            return _Call(offsets, {})
-        self.deltas = None
+            return _Call(offsets, {}, self.alias)
+        self.deltas, self.alias = None, {}
         if types_ is None or not bool(types_.any()):
             return None  # all text: every layer has the plain ids and the plain causal mask
         image, video = given.get("image_grid_thw"), given.get("video_grid_thw")
@@ -241,9 +245,14 @@ class LayerPlan:
         options = dict(self.options)
         if self.takes_time and time is not None:
             options["second_per_grid_ts"] = time
-        ids, deltas, allowed = {}, {}, {}
+        ids, deltas, allowed, designs = {}, {}, {}, {}
         for variant in self.variants:
             design = self.entry.run_design(layout, {**options, "layer": variant} if self.entry.layer_of else options)
+            same = [u for u, d in designs.items() if _same_design(d, design)]
+            if same:  # e.g. PyPE's deeper layers once every block is down to one level: share tables and masks
+                self.alias[variant] = same[0]
+                continue
+            designs[variant] = design
             if len(self.variants) > 1:
                 ids[variant], deltas[variant] = assemble_positions(
                     layout, design, pad_value=0, delta_convention="valid"
@@ -253,7 +262,21 @@ class LayerPlan:
         base = self.base
         offsets = {v: ids[v] - ids[base] for v in ids if v != base}
         self.deltas = {v: deltas[v] - deltas[base] for v in deltas if v != base} or None
-        return _Call(offsets, allowed)
+        return _Call(offsets, allowed, self.alias)
+
+
+def _same_design(a: Any, b: Any) -> bool:
+    """Whether two design outputs give the same ids (same offsets, advances and rows)."""
+    return (
+        a.anchored == b.anchored
+        and a.delta_rows == b.delta_rows
+        and a.integer == b.integer
+        and a.text_advance is None
+        and b.text_advance is None
+        and a.local.shape == b.local.shape
+        and torch.equal(a.local, b.local)
+        and torch.equal(a.advance, b.advance)
+    )
 
 
 def _bind(method: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -303,6 +326,7 @@ def _layer_forward(self, *args: Any, **kwargs: Any) -> Any:
             kwargs = _bind(own, args, kwargs)
             args = (kwargs.pop("hidden_states"),)
         variant = plan.layer_variant[self.__dict__["visionpe_layer_index"]]
+        variant = call.alias.get(variant, variant)
         if variant in call.tables:
             kwargs["position_embeddings"] = call.tables[variant]
         if variant in call.allowed:
