@@ -10,6 +10,10 @@ adapter of the model's family by its class:
 ``SUPPORTED_MODELS`` maps every supported inner model class to its transformers module; ``QWEN_MODELS`` and
 ``ROPE_1D_MODELS`` are the two adapters' tables.
 
+Beside the language model's positions: :mod:`visionpe.integrations.hf.packing` packs Qwen-VL samples into one row
+for varlen training (:class:`QwenVLPackingCollator`), and :mod:`visionpe.integrations.hf.vision_tower` swaps or
+scales the 2D RoPE of the Qwen-VL vision encoders (:func:`apply_vision_rope`).
+
 Needs the ``vlm`` extra (``pip install "visionpe[vlm]"``, transformers); importing this package without it raises an
 ImportError that says so. ``import visionpe`` never imports it.
 """
@@ -29,8 +33,30 @@ from torch import nn
 
 from . import llava, qwen
 from .llava import find_model, outer_name
+from .packing import QwenVLPackingCollator, check_packable, pack_qwen_vl_features
+from .vision_tower import (
+    VisionTowerRotary,
+    apply_vision_rope,
+    own_vision_rope_options,
+    remove_vision_rope,
+    vision_tower,
+)
 
-__all__ = ["apply_position_scheme", "remove_position_scheme", "SUPPORTED_MODELS", "QWEN_MODELS", "ROPE_1D_MODELS"]
+__all__ = [
+    "apply_position_scheme",
+    "remove_position_scheme",
+    "SUPPORTED_MODELS",
+    "QWEN_MODELS",
+    "ROPE_1D_MODELS",
+    "QwenVLPackingCollator",
+    "check_packable",
+    "pack_qwen_vl_features",
+    "VisionTowerRotary",
+    "apply_vision_rope",
+    "own_vision_rope_options",
+    "remove_vision_rope",
+    "vision_tower",
+]
 
 QWEN_MODELS = dict(qwen.SUPPORTED_MODELS)
 ROPE_1D_MODELS = dict(llava.SUPPORTED_MODELS)
