@@ -20,6 +20,13 @@ exceed ``PosAttention.bias_chunk_bytes`` and autograd does not record the attent
 need no gradient), attention runs in chunks of query rows: each scheme builds the bias of those rows only
 (``attn_bias(..., rows=)``), and each chunk's softmax is over all keys, so the result is the same as the full
 computation. A recorded attention keeps its whole bias for the backward in any case, so it runs in one piece.
+
+A mixed-resolution batch (timm's NaFlex layout, :class:`~visionpe.grid.MixedGrid`) gives each sample its own grid,
+valid tokens first and padding after. Its context holds ``groups``, one :class:`GridGroup` per distinct grid with the
+states built for that grid; attention then runs group by group on the valid tokens of the group's samples, each group
+through the path above as an ordinary one-grid batch, and padding rows get a zero output. Padding thus never enters a
+softmax, a bias or a rotation of a valid token, and every scheme, whatever its positions depend on, sees exactly the
+grid it would see for the image alone.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from .tokens import gather_pairs, gather_tokens, scatter_pairs, scatter_tokens
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "GridGroup",
     "PositionContext",
     "PosAttention",
     "PosBlock",
@@ -52,6 +60,18 @@ __all__ = [
 ]
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
+
+
+@dataclass
+class GridGroup:
+    """The samples of a mixed-resolution batch that share one grid: ``grid_size``, their int64 ``index`` in the batch,
+    ``length`` (prefix tokens + patches of the grid: the leading tokens of each of their rows that are valid) and the
+    :class:`PositionContext` built for that grid."""
+
+    grid_size: tuple[int, ...]
+    index: torch.Tensor
+    length: int
+    context: PositionContext
 
 
 @dataclass
@@ -68,6 +88,8 @@ class PositionContext:
     # ``num_tokens`` tokens the states were built for; None when every token is there
     keep: torch.Tensor | None = None
     num_tokens: int = 0
+    # mixed-resolution batch: one GridGroup per distinct grid, whose contexts hold the states; None for one grid
+    groups: list[GridGroup] | None = None
 
     def keep_tokens(self, keep: torch.Tensor, num_prefix_tokens: int, num_tokens: int) -> None:
         """Record patch dropout's ``keep`` (B, K) indices of the kept patches (timm's ``PatchDropoutWithIndices``)
@@ -114,6 +136,8 @@ class PosAttention(Attention):
         is_causal: bool = False,
         pos: PositionContext | None = None,
     ) -> torch.Tensor:
+        if pos is not None and pos.groups is not None:
+            return self._forward_groups(x, attn_mask, is_causal, pos.groups)
         if pos is None or not (pos.rotary or pos.bias or pos.camera):
             return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
         B, N, _ = x.shape
@@ -144,6 +168,26 @@ class PosAttention(Attention):
         if gate is not None:
             x = x * gate
         return self.proj_drop(self.proj(x))
+
+    def _forward_groups(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool, groups: list[GridGroup]
+    ) -> torch.Tensor:
+        """Attention of a mixed-resolution batch: each group's valid tokens through :meth:`forward` with the group's
+        context, written back at their rows; padding rows are zero (see the module docstring)."""
+        if attn_mask is not None or is_causal:
+            raise ValueError(
+                "a mixed-resolution batch masks its padding from patch_valid; attn_mask and is_causal are not taken "
+                f"with it, got attn_mask={'a tensor' if attn_mask is not None else None}, is_causal={is_causal}"
+            )
+        B, N, _ = x.shape
+        if len(groups) == 1 and groups[0].length == N and groups[0].index.numel() == B:
+            return self.forward(x, pos=groups[0].context)
+        out = x.new_zeros(B, N, self.proj.out_features)
+        for group in groups:
+            rows = self.forward(x[group.index, : group.length], pos=group.context)
+            tokens = torch.arange(group.length, device=x.device)[:, None]
+            out = out.index_put((group.index, tokens), rows.transpose(0, 1))
+        return out
 
     def _attend_chunked(
         self,

@@ -29,6 +29,11 @@ draws the coordinates of a training forward instead of reading them off the grid
 
 The 2D forms (one cut or one sample per axis) are the library's reading of the 1D papers. Evaluation never draws:
 a model in eval mode reads exactly :func:`grid_coords`.
+
+Mixed-resolution batches (timm's NaFlex layout): each sample of a batch is a grid of its own size, given as
+``patch_coord`` (B, N, ndim), the integer (y, x) index of each patch, and ``patch_valid`` (B, N), True on real patches;
+each sample lists the patches of its grid in raster order first, padding after. :func:`mixed_grid` validates such a
+batch and derives each sample's grid and the groups of samples that share one (:class:`MixedGrid`).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ __all__ = [
     "GRID_COORD_MODES",
     "COORD_AUGMENT_KINDS",
     "CoordAugment",
+    "MixedGrid",
+    "mixed_grid",
     "grid_coords",
     "grid_rows",
     "is_symbolic_grid",
@@ -570,3 +577,167 @@ def set_coord_augment(module: nn.Module, coord_augment: CoordAugment | Mapping[s
     for _, scheme in targets:
         scheme.coord_augment = coord_augment
     return [n for n, _ in targets]
+
+
+# -- mixed-resolution batches ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MixedGrid:
+    """The per-sample layout of a mixed-resolution batch (timm's NaFlex convention), built by :func:`mixed_grid`.
+
+    Sample ``b`` is the grid ``grid_sizes[b]``; its ``lengths[b] = prod(grid_sizes[b])`` patches are the first tokens
+    of its row, in raster order (token ``k`` at ``(k // W, k % W)`` in 2D), padding after. ``groups`` lists each
+    distinct grid once, in order of first appearance, with the int64 indices of the samples at that grid (on the
+    device of the coordinates): a scheme whose positions depend on the grid is computed once per group.
+
+    Attributes:
+        patch_coord: (B, N, ndim) int64 patch indices, as given.
+        patch_valid: (B, N) bool, True on the patches of each sample's grid.
+        grid_sizes: one grid size per sample.
+        lengths: valid patches per sample.
+        groups: ``((grid_size, sample_indices), ...)``.
+    """
+
+    patch_coord: torch.Tensor
+    patch_valid: torch.Tensor
+    grid_sizes: tuple[tuple[int, ...], ...]
+    lengths: tuple[int, ...]
+    groups: tuple[tuple[tuple[int, ...], torch.Tensor], ...]
+
+    @property
+    def batch_size(self) -> int:
+        """B, the number of samples."""
+        return len(self.grid_sizes)
+
+    @property
+    def num_patches(self) -> int:
+        """N, the padded number of patch tokens per sample."""
+        return self.patch_valid.shape[1]
+
+    @property
+    def is_uniform(self) -> bool:
+        """True when every sample has the same grid and no padding: the batch is an ordinary one-grid batch."""
+        return len(self.groups) == 1 and self.lengths[0] == self.num_patches
+
+
+def _first_samples(flags: torch.Tensor, limit: int = 4) -> list[int]:
+    """Indices of the first ``limit`` True entries of a (B,) bool tensor, for error messages."""
+    return flags.nonzero().flatten()[:limit].tolist()
+
+
+def mixed_grid(patch_coord: torch.Tensor, patch_valid: torch.Tensor, ndims: Sequence[int] = (2,)) -> MixedGrid:
+    """Validate a mixed-resolution batch's patch coordinates and validity mask; return its :class:`MixedGrid`.
+
+    Each sample's grid is read off its valid patches: ``max coordinate + 1`` per axis. The valid patches must be that
+    whole grid in raster order, before any padding (the layout timm's ``Patchify`` and ``NaFlexCollator`` produce),
+    and a padding entry's coordinate must lie inside its sample's grid (timm's collator writes zeros there; timm's
+    ``NaFlexVit`` reads the grid off every entry, padding included).
+
+    Args:
+        patch_coord: (B, N, ndim) integer tensor, the (y, x) (or (t, y, x)) index of each patch.
+        patch_valid: (B, N) bool tensor (or integer 0 / 1), True on real patches.
+        ndims: the allowed numbers of axes.
+
+    Returns:
+        The batch's :class:`MixedGrid`.
+
+    Raises:
+        TypeError: a non-tensor, a floating-point ``patch_coord`` or a ``patch_valid`` that is not bool or 0 / 1.
+        ValueError: wrong shapes, a sample with no valid patch, padding before a valid patch, a negative coordinate,
+            valid patches that are not their grid in raster order, or a padding coordinate outside its sample's grid.
+
+    Example:
+        >>> coord = torch.tensor([[[0, 0], [0, 1], [0, 0]], [[0, 0], [1, 0], [2, 0]]])
+        >>> valid = torch.tensor([[True, True, False], [True, True, True]])
+        >>> layout = mixed_grid(coord, valid)
+        >>> layout.grid_sizes, layout.lengths
+        ((1, 2), (3, 1)), (2, 3))
+    """
+    if not isinstance(patch_coord, torch.Tensor):
+        raise TypeError(f"patch_coord must be a (B, N, ndim) integer tensor, got {describe(patch_coord)}")
+    if not isinstance(patch_valid, torch.Tensor):
+        raise TypeError(f"patch_valid must be a (B, N) bool tensor, got {describe(patch_valid)}")
+    if patch_coord.is_floating_point() or patch_coord.is_complex() or patch_coord.dtype == torch.bool:
+        raise TypeError(
+            f"patch_coord must hold integer patch indices (int64, as timm's collator gives), got {patch_coord.dtype}"
+        )
+    if patch_coord.ndim != 3 or patch_coord.shape[2] not in tuple(ndims) or 0 in patch_coord.shape[:2]:
+        raise ValueError(
+            f"patch_coord must have shape (B, N, ndim) with B, N >= 1 and ndim in {tuple(ndims)}, got shape "
+            f"{tuple(patch_coord.shape)}"
+        )
+    if tuple(patch_valid.shape) != tuple(patch_coord.shape[:2]):
+        raise ValueError(
+            f"patch_valid must have shape (B, N) = {tuple(patch_coord.shape[:2])}, as patch_coord, got shape "
+            f"{tuple(patch_valid.shape)}"
+        )
+    if patch_valid.dtype != torch.bool:
+        binary = not patch_valid.is_floating_point() and not patch_valid.is_complex()
+        if not binary or not bool(((patch_valid == 0) | (patch_valid == 1)).all()):
+            raise TypeError(f"patch_valid must be a bool (or 0 / 1 integer) tensor, got dtype {patch_valid.dtype}")
+        patch_valid = patch_valid.bool()
+    patch_valid = patch_valid.to(patch_coord.device)
+    coord = patch_coord.long()
+    counts = patch_valid.sum(1)
+    empty = counts == 0
+    if bool(empty.any()):
+        raise ValueError(
+            f"patch_valid must mark at least one valid patch in every sample, got none in sample(s) "
+            f"{_first_samples(empty)}"
+        )
+    position = torch.arange(coord.shape[1], device=coord.device)
+    first = position[None, :] < counts[:, None]  # (B, N): the first `count` tokens of each sample
+    disordered = (first != patch_valid).any(1)
+    if bool(disordered.any()):
+        raise ValueError(
+            "patch_valid must list each sample's valid patches first and its padding after (timm's NaFlex layout), "
+            f"got padding before a valid patch in sample(s) {_first_samples(disordered)}"
+        )
+    valid_coord = coord.masked_fill(~patch_valid[..., None], 0)
+    negative = (valid_coord < 0).any(2).any(1)
+    if bool(negative.any()):
+        raise ValueError(
+            f"patch_coord must be non-negative patch indices, got a negative coordinate in sample(s) "
+            f"{_first_samples(negative)}"
+        )
+    sizes = valid_coord.amax(1) + 1  # (B, ndim)
+    spans = sizes.prod(1)
+    incomplete = spans != counts
+    if bool(incomplete.any()):
+        b = _first_samples(incomplete, 1)[0]
+        raise ValueError(
+            f"patch_coord must give each sample's valid patches as its whole grid: sample {b} has {int(counts[b])} "
+            f"valid patches but its coordinates span a {'x'.join(map(str, sizes[b].tolist()))} grid "
+            f"({int(spans[b])} patches)"
+        )
+    # raster order: token k of sample b sits at the row-major index k of its grid
+    expected, rest = [], position[None, :].expand(coord.shape[0], -1)
+    for axis in reversed(range(coord.shape[2])):
+        expected.append(rest % sizes[:, axis : axis + 1])
+        rest = rest // sizes[:, axis : axis + 1]
+    expected = torch.stack(expected[::-1], dim=-1)
+    misplaced = ((coord != expected).any(2) & patch_valid).any(1)
+    if bool(misplaced.any()):
+        b = _first_samples(misplaced, 1)[0]
+        k = int(((coord[b] != expected[b]).any(1) & patch_valid[b]).nonzero()[0])
+        raise ValueError(
+            f"patch_coord must list each sample's valid patches in raster order of its grid: sample {b} "
+            f"({'x'.join(map(str, sizes[b].tolist()))} grid) has {tuple(coord[b, k].tolist())} at patch {k}, expected "
+            f"{tuple(expected[b, k].tolist())}"
+        )
+    outside = (((coord < 0) | (coord >= sizes[:, None, :])).any(2) & ~patch_valid).any(1)
+    if bool(outside.any()):
+        b = _first_samples(outside, 1)[0]
+        k = int((((coord[b] < 0) | (coord[b] >= sizes[b])).any(1) & ~patch_valid[b]).nonzero()[0])
+        raise ValueError(
+            f"patch_coord at padding (patch_valid False) must lie inside the sample's grid, as timm's collator writes "
+            f"zeros there: sample {b} ({'x'.join(map(str, sizes[b].tolist()))} grid) has {tuple(coord[b, k].tolist())} "
+            f"at padding patch {k}"
+        )
+    grid_sizes = tuple(tuple(row) for row in sizes.tolist())
+    members: dict[tuple[int, ...], list[int]] = {}
+    for b, grid in enumerate(grid_sizes):
+        members.setdefault(grid, []).append(b)
+    groups = tuple((grid, torch.tensor(index, device=coord.device)) for grid, index in members.items())
+    return MixedGrid(coord, patch_valid, grid_sizes, tuple(counts.tolist()), groups)

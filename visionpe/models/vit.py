@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,8 +21,9 @@ from torch.utils.checkpoint import checkpoint
 
 from ..attention import PosBlock, PositionContext
 from ..base import AbsolutePositionEncoding
-from ..grid import CoordAugment, set_coord_augment
+from ..grid import CoordAugment, MixedGrid, set_coord_augment
 from ..registry import create_pos_embed, get_scheme_class
+from .naflex import apply_per_grid, build_mixed_position_context, embed_patches, naflex_inputs, pool_valid
 
 __all__ = [
     "VisionPEViT",
@@ -239,9 +240,16 @@ class VisionPEViT(VisionTransformer):
         **kwargs: timm ``VisionTransformer`` arguments (``img_size``, ``dynamic_img_size``, ``class_token``...).
             ``no_embed_class`` (DeiT III, register ViTs) goes to the ``learned`` table, as in timm.
 
-    Input ``(B, 3, H, W)`` -> logits ``(B, num_classes)``. ``group_matcher`` puts position parameters in the stem
-    group (timm's layer-wise lr decay, open_clip's ``lock_image_tower``), ``forward_intermediates`` is timm's.
+    Input ``(B, 3, H, W)`` -> logits ``(B, num_classes)``, or a mixed-resolution batch in timm's NaFlex layout: the
+    dict of timm's ``NaFlexCollator`` (``patches`` (B, N, P*P*C) with each patch flattened as (P, P, C),
+    ``patch_coord``, ``patch_valid``) or the three tensors (``model(patches, patch_coord=..., patch_valid=...)``), as
+    timm's ``NaFlexVit`` takes it (:mod:`visionpe.models.naflex`); each image is encoded at its own grid and pooled
+    over its valid tokens, so its logits are those of the image alone. ``group_matcher`` puts position parameters in the
+    stem group (timm's layer-wise lr decay, open_clip's ``lock_image_tower``), ``forward_intermediates`` is timm's.
     """
+
+    #: the layout of each flattened patch of a NaFlex batch: (P, P, C) (timm's default) or, False, (C, P, P)
+    naflex_channels_last: bool = True
 
     def __init__(
         self,
@@ -447,29 +455,118 @@ class VisionPEViT(VisionTransformer):
                     x = _add_absolute(scheme, x, grid_size, self.num_prefix_tokens, i)
             yield x
 
+    def _blocks_naflex(self, patches: torch.Tensor, layout: MixedGrid, last: int | None = None):
+        """A mixed-resolution batch: embed each patch, add the absolute schemes per grid, then yield the tokens after
+        each block, attention running per grid (:mod:`visionpe.models.naflex`)."""
+        embed = self.patch_embed
+        x = embed.norm(embed_patches(embed.proj, patches, self.naflex_channels_last))
+        prefix = [t.expand(x.shape[0], -1, -1) for t in (self.cls_token, self.reg_token) if t is not None]
+        if prefix:
+            x = torch.cat([*prefix, x], dim=1)
+        for scheme in self._schemes("absolute"):
+            if not scheme.insert_after:
+                x = apply_per_grid(
+                    lambda t, g, s=scheme: s(t, g, self.num_prefix_tokens), x, layout, self.num_prefix_tokens
+                )
+        x = self.pos_drop(x)
+        if self.training and isinstance(self.patch_drop, PatchDropoutWithIndices):
+            raise ValueError(
+                "patch dropout keeps a subset of each grid, which a mixed-resolution batch does not take in training; "
+                f"got patch_drop_rate={self.patch_drop.prob} (call model.eval(), or feed (B, C, H, W) batches)"
+            )
+        x = self.norm_pre(x)
+        ctx = build_mixed_position_context(self.pos_schemes.values(), self.num_prefix_tokens, layout, x.device)
+        inserts = [m for m in self._schemes("absolute") if m.insert_after]
+        blocks = self.blocks if last is None else self.blocks[: last + 1]
+        for i, blk in enumerate(blocks):
+            if self.grad_checkpointing and self.training and not torch.jit.is_scripting():
+                x = checkpoint(blk, x, None, False, ctx, use_reentrant=False)
+            else:
+                x = blk(x, pos=ctx)
+            for scheme in inserts:
+                if i in scheme.insert_after:
+                    x = apply_per_grid(
+                        lambda t, g, s=scheme, i=i: s(t, g, self.num_prefix_tokens, after_block=i),
+                        x,
+                        layout,
+                        self.num_prefix_tokens,
+                    )
+            yield x
+
+    def _naflex_batch(
+        self,
+        x: torch.Tensor | Mapping[str, Any],
+        patch_coord: torch.Tensor | None,
+        patch_valid: torch.Tensor | None,
+        attn_mask: torch.Tensor | None,
+        is_causal: bool,
+        depth: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, MixedGrid] | None:
+        """(patches, layout) of a NaFlex batch (a dict, or patches with patch_coord and patch_valid), else None."""
+        if not isinstance(x, Mapping) and patch_coord is None and patch_valid is None:
+            return None
+        if is_causal or depth is not None:
+            raise ValueError(
+                "a mixed-resolution batch takes neither is_causal nor depth, got "
+                f"is_causal={is_causal}, depth={'a tensor' if depth is not None else None}"
+            )
+        return naflex_inputs(x, patch_coord, patch_valid, attn_mask)
+
     def forward_features(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Mapping[str, Any],
         attn_mask: torch.Tensor | None = None,
         is_causal: bool = False,
         depth: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        patch_coord: torch.Tensor | None = None,
+        patch_valid: torch.Tensor | None = None,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
         """(B, C, H, W) images -> (B, num_prefix_tokens + N, C) normalised tokens; ``depth`` (B, 1, H, W), the
-        images' depth maps, only for STRING with ``depth_coords=True`` (RGB-D positions)."""
+        images' depth maps, only for STRING with ``depth_coords=True`` (RGB-D positions).
+
+        A mixed-resolution batch (a NaFlex dict, or patches (B, N, P*P*C) with ``patch_coord`` and ``patch_valid``)
+        gives, as timm's ``NaFlexVit``, ``{"patches": tokens, "patch_valid": patch_valid}``: the normalised tokens
+        (B, num_prefix_tokens + N, C), padding rows included, and the validity mask :meth:`forward_head` pools with.
+        """
+        naflex = self._naflex_batch(x, patch_coord, patch_valid, attn_mask, is_causal, depth)
+        if naflex is not None:
+            patches, layout = naflex
+            tokens = None
+            for tokens in self._blocks_naflex(patches, layout):  # noqa: B007 - the last block's output
+                pass
+            return {"patches": self.norm(tokens), "patch_valid": layout.patch_valid}
         tokens = x
         for tokens in self._blocks(x, attn_mask, is_causal, depth=depth):  # noqa: B007 - the last block's output
             pass
         return self.norm(tokens)
 
+    def forward_head(
+        self, x: torch.Tensor, pre_logits: bool = False, patch_valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """timm's head; with ``patch_valid`` (B, N), pooling over each sample's valid tokens only
+        (:func:`~visionpe.models.naflex.pool_valid`, as timm's ``NaFlexVit``)."""
+        if patch_valid is None:
+            return super().forward_head(x, pre_logits=pre_logits)
+        x = self.head_drop(self.fc_norm(pool_valid(self, x, patch_valid)))
+        return x if pre_logits else self.head(x)
+
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Mapping[str, Any],
         attn_mask: torch.Tensor | None = None,
         is_causal: bool = False,
         depth: torch.Tensor | None = None,
+        patch_coord: torch.Tensor | None = None,
+        patch_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """timm's forward; ``depth`` as in :meth:`forward_features`."""
-        return self.forward_head(self.forward_features(x, attn_mask=attn_mask, is_causal=is_causal, depth=depth))
+        """timm's forward; ``depth`` as in :meth:`forward_features`. A mixed-resolution batch (timm's NaFlex dict, or
+        patches with ``patch_coord`` and ``patch_valid``) gives each image's logits at its own grid."""
+        features = self.forward_features(
+            x, attn_mask=attn_mask, is_causal=is_causal, depth=depth, patch_coord=patch_coord, patch_valid=patch_valid
+        )
+        if isinstance(features, dict):
+            return self.forward_head(features["patches"], patch_valid=features["patch_valid"])
+        return self.forward_head(features)
 
     def forward_intermediates(
         self,
