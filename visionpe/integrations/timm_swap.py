@@ -1,7 +1,8 @@
 """Swap the position encoding of a timm ViT in place, keeping every other weight.
 
-:func:`apply_position_scheme` takes a timm ``VisionTransformer`` or ``Eva`` (EVA-02, timm's RoPE ViTs
-``vit_*_rope_*``, rope-vit's ports, DINOv3 ``vit_*_dinov3*``, Perception Encoder...), pretrained or not, and makes
+:func:`apply_position_scheme` takes a timm ``VisionTransformer``, ``Eva`` (EVA-02, timm's RoPE ViTs
+``vit_*_rope_*``, rope-vit's ports, DINOv3 ``vit_*_dinov3*``, Perception Encoder...) or ``NaFlexVit`` (the
+``naflexvit_*`` models, with timm's standard blocks), pretrained or not, and makes
 its attention apply visionpe schemes instead of the model's own encoding: rotary schemes rotate q and k, bias
 schemes add to the logits (scaled dot-product attention, with the bias as its mask), absolute schemes add to the
 tokens. The model's own table (``pos_embed``) and rotary module (``rope``) are removed; patch embedding, prefix
@@ -32,6 +33,15 @@ After the swap a ``VisionTransformer`` is a :class:`~visionpe.models.vit.VisionP
 :class:`~visionpe.attention.PosBlock`), an ``Eva`` a :class:`VisionPEEva` (its attention modules
 :class:`EvaPosAttention` or :class:`RopePosAttention`); both keep timm's forward, ``forward_intermediates``,
 ``set_input_size`` and state-dict names outside the position keys.
+
+A ``NaFlexVit`` becomes a :class:`VisionPENaFlexVit` (its blocks :class:`~visionpe.attention.PosBlock`): timm's
+forward, taking (B, C, H, W) images or a mixed-resolution batch (the dict of timm's ``NaFlexCollator``, or patches
+with ``patch_coord`` and ``patch_valid``), with each image's schemes at its own grid (:mod:`visionpe.models.naflex`).
+Its own learned table (``pos_embed`` (1, H, W, C), resampled per image with ``pos_embed_interp_mode`` and
+``pos_embed_antialias``) translates to ``learned`` on that grid, without prefix rows (the table copied): the logits
+of a mixed batch are the model's own. timm's factorized table, grid-sample resampling, aspect-ratio preserving
+resampling and ``align_corners`` have no exact visionpe equivalent (ValueError for ``pos_embed=None``; name the
+schemes instead).
 """
 
 from __future__ import annotations
@@ -46,12 +56,15 @@ from timm.layers import Attention, PatchDropout, PatchDropoutWithIndices
 from timm.layers import pos_embed_sincos as timm_rope
 from timm.layers.attention import AttentionRope
 from timm.models.eva import Eva, EvaAttention, EvaBlock, EvaBlockPostNorm
+from timm.models.naflexvit import NaFlexVit
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..attention import PosAttention, PosBlock, PositionContext
 from ..grid import CoordAugment
 from ..models.convert import LoadReport
+from ..models.naflex import apply_per_grid, build_mixed_position_context, naflex_inputs
 from ..models.vit import VisionPEViT, create_model_scheme, normalize_schemes, schemes_no_weight_decay
 from ..registry import get_scheme_class
 from ..rotary.rope_dinov3 import half_to_interleaved
@@ -61,6 +74,7 @@ __all__ = [
     "own_position_scheme",
     "SwapReport",
     "VisionPEEva",
+    "VisionPENaFlexVit",
     "EvaPosAttention",
     "RopePosAttention",
     "SUPPORTED_MODELS",
@@ -70,10 +84,11 @@ __all__ = [
 SUPPORTED_MODELS = (
     "timm.models.vision_transformer.VisionTransformer",
     "timm.models.eva.Eva",
+    "timm.models.naflexvit.NaFlexVit",
     "visionpe.models.vit.VisionPEViT",
     "visionpe.integrations.timm_swap.VisionPEEva",
+    "visionpe.integrations.timm_swap.VisionPENaFlexVit",
 )
-_NOT_SUPPORTED_NOTE = "timm's NaFlexVit is not supported"
 
 
 @dataclass
@@ -112,7 +127,9 @@ class _PositionAttention:
     layer: int = 0
     bias_chunk_bytes = PosAttention.bias_chunk_bytes
     query_chunk_rows = PosAttention.query_chunk_rows
+    attn_backend = PosAttention.attn_backend
     _attend_chunked = PosAttention._attend_chunked
+    _fused_terms = PosAttention._fused_terms
     _attend = PosAttention._attend
     _augment_qk = PosAttention._augment_qk
 
@@ -250,6 +267,116 @@ class VisionPEEva(Eva):
         return matcher
 
 
+# -- the converted NaFlexVit ------------------------------------------------------------------------------------
+
+
+class VisionPENaFlexVit(NaFlexVit):
+    """timm's ``NaFlexVit`` whose position encoding is a set of visionpe schemes (``pos_schemes``, names in
+    ``pos_embed_names``): what :func:`apply_position_scheme` turns a ``NaFlexVit`` into, in place.
+
+    timm's ``forward`` and ``forward_head`` (pooling over the valid patches) are kept; ``forward_features`` embeds the
+    patches with timm's ``embeds`` (its own table removed), then applies the absolute schemes, builds the position
+    context and runs the blocks (:class:`~visionpe.attention.PosBlock`) with it. A mixed-resolution batch (timm's
+    NaFlex dict, or patches with ``patch_coord`` and ``patch_valid``) is encoded per grid, each image at its own
+    (:mod:`visionpe.models.naflex`); a (B, C, H, W) batch as one grid, with timm's patch dropout. Dropout of the
+    embeddings (``pos_drop``) runs after the absolute schemes, as in timm. ``forward_intermediates`` is not available
+    after the swap (TypeError). Not built directly: create the ``NaFlexVit`` (``timm.create_model("naflexvit_...")``),
+    then call :func:`apply_position_scheme`.
+    """
+
+    pos_schemes: nn.ModuleDict
+    pos_embed_names: list[str]
+    pos_drop: nn.Module
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "VisionPENaFlexVit is made from a NaFlexVit in place: model = timm.create_model('naflexvit_...'); "
+            "visionpe.integrations.timm.apply_position_scheme(model, pos_embed)"
+        )
+
+    _schemes = VisionPEViT._schemes
+    position_context = VisionPEViT.position_context
+
+    def _forward_embeds(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        raise TypeError(
+            "after apply_position_scheme, a NaFlexVit runs its blocks with visionpe's position context: call "
+            "forward or forward_features (forward_intermediates is not available on the converted model)"
+        )
+
+    def _add_absolute(self, x: torch.Tensor, layout: Any, grid_size: tuple[int, ...] | None, after: int | None):
+        """The absolute schemes that run before the blocks (``after`` None) or after block ``after``, per grid for a
+        mixed batch (``layout``), else at ``grid_size``."""
+        prefix = self.num_prefix_tokens
+        for scheme in self._schemes("absolute"):
+            if after is None and scheme.insert_after:
+                continue
+            if after is not None and after not in scheme.insert_after:
+                continue
+            extra = {} if after is None else {"after_block": after}
+
+            def apply(tokens: torch.Tensor, grid: tuple[int, ...], scheme=scheme, extra=extra) -> torch.Tensor:
+                return scheme(tokens, grid, prefix, **extra)
+
+            x = apply(x, grid_size) if layout is None else apply_per_grid(apply, x, layout, prefix)
+        return x
+
+    def forward_features(
+        self,
+        patches: torch.Tensor,
+        patch_coord: torch.Tensor | None = None,
+        patch_valid: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """timm's ``forward_features``: (B, C, H, W) images -> (B, num_prefix_tokens + N, C) tokens; a NaFlex batch
+        (``patch_coord`` given) -> ``{"patches": tokens, "patch_valid": patch_valid}``, which ``forward_head`` pools
+        over the valid patches."""
+        layout, grid_size = None, None
+        if patch_coord is not None or patch_valid is not None:
+            patches, layout = naflex_inputs(patches, patch_coord, patch_valid, attn_mask)
+            x, _ = self.embeds(patches, patch_coord=layout.patch_coord, patch_valid=layout.patch_valid)
+        else:
+            x, grid_size = self.embeds(patches)
+            grid_size = tuple(int(n) for n in grid_size)
+        x = self.pos_drop(self._add_absolute(x, layout, grid_size, None))
+        keep, num_tokens = None, x.shape[1]
+        if self.training and self.patch_drop is not None:
+            if layout is not None:
+                raise ValueError(
+                    "patch dropout keeps a subset of each grid, which a mixed-resolution batch does not take in "
+                    f"training; got patch_drop_rate={self.patch_drop.prob} (call model.eval(), or feed images)"
+                )
+            x, keep = self.patch_drop(x)
+        x = self.norm_pre(x)
+        if layout is not None:
+            ctx = build_mixed_position_context(self.pos_schemes.values(), self.num_prefix_tokens, layout, x.device)
+        else:
+            ctx = self.position_context(grid_size, x.device)
+            if keep is not None and (ctx.rotary or ctx.bias):
+                ctx.keep_tokens(keep, self.num_prefix_tokens, num_tokens)
+        checkpointing = self.grad_checkpointing and self.training and not torch.jit.is_scripting()
+        for i, blk in enumerate(self.blocks):
+            if checkpointing:
+                x = checkpoint(blk, x, attn_mask, False, ctx, use_reentrant=False)
+            else:
+                x = blk(x, attn_mask=attn_mask, pos=ctx)
+            x = self._add_absolute(x, layout, grid_size, i)
+        x = self.norm(x)
+        if layout is not None:
+            return {"patches": x, "patch_valid": layout.patch_valid}
+        return x
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return set(super().no_weight_decay()) | schemes_no_weight_decay(self.pos_schemes)
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """timm's groups, position parameters with the stem (as timm's ``embeds``)."""
+        matcher = dict(super().group_matcher(coarse))
+        matcher["stem"] = r"^(?:embeds|pos_schemes(?:\.|$))"
+        return matcher
+
+
 # -- the model's own encoding -----------------------------------------------------------------------------------
 
 
@@ -265,13 +392,15 @@ class _Translation:
 
 
 def _model_family(model: Any) -> str:
-    """``"vit"`` or ``"eva"``; TypeError naming the class and the supported ones otherwise."""
+    """``"vit"``, ``"eva"`` or ``"naflex"``; TypeError naming the class and the supported ones otherwise."""
     if type(model) in (VisionTransformer, VisionPEViT):
         return "vit"
     if type(model) in (Eva, VisionPEEva):
         return "eva"
+    if type(model) in (NaFlexVit, VisionPENaFlexVit):
+        return "naflex"
     raise TypeError(
-        f"apply_position_scheme supports the model classes {', '.join(SUPPORTED_MODELS)} ({_NOT_SUPPORTED_NOTE}), "
+        f"apply_position_scheme supports the model classes {', '.join(SUPPORTED_MODELS)}, "
         f"got {type(model).__module__}.{type(model).__qualname__}"
     )
 
@@ -337,10 +466,46 @@ def _rope_translation(model: Eva) -> tuple[str, _Translation]:
     )
 
 
+def _naflex_translation(model: NaFlexVit) -> dict[str, _Translation]:
+    """{"learned": translation} of a NaFlexVit's learned table (see the module docstring), {} without a table."""
+    embeds = model.embeds
+    if embeds.pos_embed_type == "none":
+        return {}
+    unsupported = {
+        "pos_embed_type": (embeds.pos_embed_type, "learned"),
+        "pos_embed_ar_preserving": (embeds.pos_embed_ar_preserving, False),
+        "pos_embed_align_corners": (embeds.pos_embed_align_corners, False),
+        "pos_embed_use_grid_sample": (embeds.pos_embed_use_grid_sample, False),
+    }
+    for option, (value, exact) in unsupported.items():
+        if value != exact:
+            raise ValueError(
+                f"the model's NaFlex position embedding has {option}={value!r}, which no visionpe scheme reproduces "
+                f"exactly (only {option}={exact!r} translates); name the scheme(s) to use instead (pos_embed=...)"
+            )
+    mode = embeds.pos_embed_interp_mode
+    if mode not in ("bicubic", "bilinear", "nearest"):
+        raise ValueError(
+            f"the model's NaFlex position embedding resamples with pos_embed_interp_mode={mode!r}; visionpe's learned "
+            "table takes 'bicubic', 'bilinear' or 'nearest'; name the scheme(s) to use instead (pos_embed=...)"
+        )
+    table = embeds.pos_embed  # (1, H, W, C)
+    height, width = table.shape[1:3]
+    options = {
+        "grid_size": (int(height), int(width)),
+        "no_embed_class": True,
+        "interpolation": mode,
+        "antialias": bool(embeds.pos_embed_antialias),
+    }
+    return {"learned": _Translation(options, {"pos_embed": table.reshape(1, height * width, -1)})}
+
+
 def _own_translations(model: nn.Module) -> dict[str, _Translation | nn.Module]:
     """{scheme name: translation} of the model's own encoding, or {name: module} for a model already converted."""
-    if isinstance(model, (VisionPEViT, VisionPEEva)):
+    if isinstance(model, (VisionPEViT, VisionPEEva, VisionPENaFlexVit)):
         return dict(model.pos_schemes.items())
+    if isinstance(model, NaFlexVit):
+        return _naflex_translation(model)
     out: dict[str, _Translation | nn.Module] = {}
     if getattr(model, "pos_embed", None) is not None:
         out["learned"] = _Translation({"no_embed_class": bool(model.no_embed_class)}, {"pos_embed": model.pos_embed})
@@ -399,9 +564,11 @@ def _check_names(pos_embed: Any) -> None:
 def _check_blocks(model: nn.Module, family: str) -> None:
     """TypeError naming a block or attention class the swap does not handle (before anything changes)."""
     for i, blk in enumerate(model.blocks):
-        if family == "vit":
+        if family in ("vit", "naflex"):
             ok = type(blk) in (Block, PosBlock) and type(blk.attn) in (Attention, PosAttention)
             expected = "timm's Block with Attention"
+            if family == "naflex" and not ok:
+                expected += " (a NaFlexVit with attn_type='standard' and no rope_type)"
         else:
             ok = type(blk) in (EvaBlock, EvaBlockPostNorm) and type(blk.attn) in (
                 *_POS_ATTENTION,
@@ -485,8 +652,9 @@ def apply_position_scheme(
     """Replace the position encoding of a timm ``VisionTransformer`` or ``Eva`` by visionpe schemes, in place.
 
     Args:
-        model: a timm ``VisionTransformer`` (learned table) or ``Eva`` (EVA/EVA-02, ``vit_*_rope_*``,
-            ``vit_*_dinov3*``, Perception Encoder...; any ``rope_type``), or a model this function converted before.
+        model: a timm ``VisionTransformer`` (learned table), ``Eva`` (EVA/EVA-02, ``vit_*_rope_*``,
+            ``vit_*_dinov3*``, Perception Encoder...; any ``rope_type``) or ``NaFlexVit`` (``naflexvit_*``, standard
+            blocks), or a model this function converted before.
         pos_embed: scheme name or list of names, as :class:`~visionpe.models.vit.VisionPEViT`'s
             (``["learned", "rope_axial"]``); None: the model's own encoding translated exactly
             (:func:`own_position_scheme`).
@@ -501,7 +669,8 @@ def apply_position_scheme(
     Schemes the model already has (its own, translated, or those of an earlier swap) start from its values.
 
     Raises:
-        TypeError: ``model`` is of another class (e.g. timm's NaFlexVit) or has blocks of another kind.
+        TypeError: ``model`` is of another class or has blocks of another kind (a NaFlexVit with EVA or rotary
+            blocks included).
         ValueError: an unknown scheme (the registry's message), a camera or multimodal scheme, a scheme the model
             cannot run (one applied between blocks on an Eva), or ``pos_embed=None`` on a model whose own encoding
             has no exact visionpe equivalent or which has none.
@@ -561,6 +730,16 @@ def apply_position_scheme(
             blk.attn.layer, blk.attn.rotate_half = i, False
         model.pos_embed, model.rope, model.rope_mixed = None, None, False
         model.__class__ = VisionPEEva
+    elif family == "naflex":
+        for i, blk in enumerate(model.blocks):
+            blk.__class__, blk.attn.__class__ = PosBlock, PosAttention
+            blk.attn.layer = i
+        embeds = model.embeds
+        embeds.pos_embed = embeds.pos_embed_x = embeds.pos_embed_y = None
+        embeds.pos_embed_type = "none"
+        if not isinstance(model, VisionPENaFlexVit):  # the embeddings' dropout runs after the absolute schemes
+            model.pos_drop, embeds.pos_drop = embeds.pos_drop, nn.Identity()
+        model.__class__ = VisionPENaFlexVit
     else:
         for i, blk in enumerate(model.blocks):
             blk.__class__, blk.attn.__class__ = PosBlock, PosAttention

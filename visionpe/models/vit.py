@@ -211,16 +211,29 @@ def schemes_no_weight_decay(pos_schemes: nn.ModuleDict) -> set[str]:
 
 def create_model_scheme(model: nn.Module, name: str, options: dict[str, Any]) -> nn.Module:
     """Scheme ``name`` built for a timm ViT-like ``model`` (``blocks``, ``patch_embed``, ``embed_dim``,
-    ``num_prefix_tokens``, ``no_embed_class``): its width, heads and depth, and, for every scheme that takes them and
+    ``num_prefix_tokens``, ``no_embed_class``; or timm's NaFlexVit, whose grid is its ``embeds.pos_embed_grid_size``
+    and whose learned table has no prefix rows): its width, heads and depth, and, for every scheme that takes them and
     where ``options`` does not set them, the model's grid, prefix-token count, grid rank and ``no_embed_class``
     (DeiT III and register ViTs: the learned table has no rows for prefix tokens; the other schemes never add an
     absolute embedding to prefix tokens)."""
-    grid_size = tuple(model.patch_embed.grid_size)
+    embeds = getattr(model, "embeds", None)
+    if embeds is not None and getattr(model, "patch_embed", None) is None:
+        # timm's NaFlexVit: the grid of its learned table (or of its default image size); no table rows for prefix
+        # tokens (NaFlex adds its table to the patches only)
+        grid_size = embeds.pos_embed_grid_size
+        if grid_size is None:
+            raise ValueError(
+                f"{type(model).__name__} has neither pos_embed_grid_size nor img_size, so no reference grid for "
+                f"{name!r}; create it with pos_embed_grid_size=(H, W) or img_size"
+            )
+        grid_size, no_embed_class = tuple(int(n) for n in grid_size), True
+    else:
+        grid_size, no_embed_class = tuple(model.patch_embed.grid_size), bool(model.no_embed_class)
     context = {
         "grid_size": grid_size,
         "num_prefix_tokens": model.num_prefix_tokens,
         "ndim": len(grid_size),
-        "no_embed_class": bool(model.no_embed_class),
+        "no_embed_class": no_embed_class,
     }
     params = inspect.signature(get_scheme_class(name).__init__).parameters
     extra = {k: v for k, v in context.items() if k in params and k not in options}
