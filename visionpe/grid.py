@@ -652,7 +652,7 @@ def mixed_grid(patch_coord: torch.Tensor, patch_valid: torch.Tensor, ndims: Sequ
         >>> valid = torch.tensor([[True, True, False], [True, True, True]])
         >>> layout = mixed_grid(coord, valid)
         >>> layout.grid_sizes, layout.lengths
-        ((1, 2), (3, 1)), (2, 3))
+        (((1, 2), (3, 1)), (2, 3))
     """
     if not isinstance(patch_coord, torch.Tensor):
         raise TypeError(f"patch_coord must be a (B, N, ndim) integer tensor, got {describe(patch_coord)}")
