@@ -466,8 +466,9 @@ def _rope_translation(model: Eva) -> tuple[str, _Translation]:
     )
 
 
-def _naflex_translation(model: NaFlexVit) -> dict[str, _Translation]:
-    """{"learned": translation} of a NaFlexVit's learned table (see the module docstring), {} without a table."""
+def _naflex_translation(model: NaFlexVit, strict: bool = True) -> dict[str, _Translation]:
+    """{"learned": translation} of a NaFlexVit's learned table (see the module docstring), {} without a table; a
+    table with no exact translation raises ValueError when ``strict``, else gives {} (the schemes are named)."""
     embeds = model.embeds
     if embeds.pos_embed_type == "none":
         return {}
@@ -479,12 +480,16 @@ def _naflex_translation(model: NaFlexVit) -> dict[str, _Translation]:
     }
     for option, (value, exact) in unsupported.items():
         if value != exact:
+            if not strict:
+                return {}
             raise ValueError(
                 f"the model's NaFlex position embedding has {option}={value!r}, which no visionpe scheme reproduces "
                 f"exactly (only {option}={exact!r} translates); name the scheme(s) to use instead (pos_embed=...)"
             )
     mode = embeds.pos_embed_interp_mode
     if mode not in ("bicubic", "bilinear", "nearest"):
+        if not strict:
+            return {}
         raise ValueError(
             f"the model's NaFlex position embedding resamples with pos_embed_interp_mode={mode!r}; visionpe's learned "
             "table takes 'bicubic', 'bilinear' or 'nearest'; name the scheme(s) to use instead (pos_embed=...)"
@@ -500,12 +505,13 @@ def _naflex_translation(model: NaFlexVit) -> dict[str, _Translation]:
     return {"learned": _Translation(options, {"pos_embed": table.reshape(1, height * width, -1)})}
 
 
-def _own_translations(model: nn.Module) -> dict[str, _Translation | nn.Module]:
-    """{scheme name: translation} of the model's own encoding, or {name: module} for a model already converted."""
+def _own_translations(model: nn.Module, strict: bool = True) -> dict[str, _Translation | nn.Module]:
+    """{scheme name: translation} of the model's own encoding, or {name: module} for a model already converted.
+    ``strict`` False (schemes named by the caller): a NaFlexVit table with no exact translation gives none."""
     if isinstance(model, (VisionPEViT, VisionPEEva, VisionPENaFlexVit)):
         return dict(model.pos_schemes.items())
     if isinstance(model, NaFlexVit):
-        return _naflex_translation(model)
+        return _naflex_translation(model, strict)
     out: dict[str, _Translation | nn.Module] = {}
     if getattr(model, "pos_embed", None) is not None:
         out["learned"] = _Translation({"no_embed_class": bool(model.no_embed_class)}, {"pos_embed": model.pos_embed})
@@ -684,7 +690,7 @@ def apply_position_scheme(
     """
     family = _model_family(model)
     _check_blocks(model, family)
-    own = _own_translations(model)
+    own = _own_translations(model, strict=pos_embed is None)
     if pos_embed is None:
         if not own:
             raise ValueError(
