@@ -11,6 +11,7 @@ in the same run; timm's own RoPE ViTs (Eva) are printed as reference rows.
     .venv/bin/python bench/throughput.py --patch-drop 0.5  # every model, the baseline too, with timm's patch dropout
     .venv/bin/python bench/throughput.py --schemes string_cayley --depth  # and STRING on RGB-D (depth_coords)
     .venv/bin/python bench/throughput.py --rove           # and RoPE rotating the values too (rotate_values=True)
+    .venv/bin/python bench/throughput.py --schemes alibi2d --flex  # and bias schemes on FlexAttention (GPU rows)
     python3 bench/throughput.py --device cuda --precision bf16 --batch 128 --steps 5 --profile  # on a GPU
 
 ``--malloc retain`` (Linux, glibc) sets M_MMAP_THRESHOLD to its 32 MB maximum and M_TRIM_THRESHOLD beyond any
@@ -124,6 +125,13 @@ def main() -> None:
         "--rove", action="store_true", help="also rope_axial and rope_mixed rotating the values (rotate_values=True)"
     )
     parser.add_argument(
+        "--flex",
+        nargs="*",
+        default=None,
+        help="also these bias schemes (none named: every one with per-offset terms) on FlexAttention "
+        "(set_attention_backend(model, 'flex'); on a CPU training keeps the dense path, so these rows matter on a GPU)",
+    )
+    parser.add_argument(
         "--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of throughput.md and .csv (default {DEFAULT_OUT})"
     )
     args = parser.parse_args()
@@ -166,6 +174,16 @@ def main() -> None:
                 img_size=args.size,
                 **drop,
             )
+    if args.flex is not None:
+        from bench.fused_bias import fusable_schemes
+
+        fusable = fusable_schemes()
+        unknown = sorted(set(args.flex) - set(fusable))
+        if unknown:
+            parser.error(f"--flex takes bias schemes with per-offset terms ({', '.join(fusable)}), got {unknown}")
+        for name in args.flex or fusable:
+            model = timm.create_model("visionpe_vit_small_patch16_224", pos_embed=name, img_size=args.size, **drop)
+            models[f"{name} (flex)"] = visionpe.set_attention_backend(model, "flex")
     for label, model in models.items():
         model.to(args.device).train()
         for _ in range(args.warmup):

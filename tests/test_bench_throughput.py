@@ -78,3 +78,16 @@ def test_rove_adds_rows_that_rotate_the_values(bench, monkeypatch, capsys, tmp_p
     with open(tmp_path / "throughput.csv", newline="") as f:
         labels = [row[0] for row in csv.reader(f)][1:]
     assert labels[-2:] == ["rope_axial (RoVE, rotate_values)", "rope_mixed (RoVE, rotate_values)"]
+
+
+def test_flex_adds_bias_rows_on_flexattention(bench, monkeypatch, capsys, tmp_path):
+    args = "--schemes none --flex alibi2d --rounds 1 --warmup 0 --batch 1 --size 32"
+    monkeypatch.setattr("sys.argv", ["bench/throughput.py", *args.split(), "--out", str(tmp_path)])
+    bench.main()
+    with open(tmp_path / "throughput.csv", newline="") as f:
+        labels = [row[0] for row in csv.reader(f)][1:]
+    assert labels[-1] == "alibi2d (flex)"
+    monkeypatch.setattr("sys.argv", ["bench/throughput.py", "--schemes", "none", "--flex", "fire"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--flex takes bias schemes with per-offset terms" in capsys.readouterr().err
