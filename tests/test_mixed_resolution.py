@@ -227,6 +227,8 @@ def test_bad_arguments_are_refused():
         model({**batch, "patches": batch["patches"][..., :40]})
     with pytest.raises(ValueError, match=r"patches must have shape \(B, N, P\*P\*C\) = \(3, 20"):
         model({**batch, "patches": batch["patches"][:2]})
+    with pytest.raises(TypeError, match="forward_intermediates takes .* a mixed-resolution batch"):
+        model.forward_intermediates(batch)
     with pytest.raises(TypeError, match="patches must be a floating-point"):
         naflex_inputs({**batch, "patches": batch["patches"].long()})
     with pytest.raises(TypeError, match="patch_valid must be a \\(B, N\\) bool tensor"):

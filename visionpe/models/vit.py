@@ -606,6 +606,11 @@ class VisionPEViT(VisionTransformer):
         """
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        if isinstance(x, Mapping):
+            raise TypeError(
+                "forward_intermediates takes (B, C, H, W) images (features on one grid); a mixed-resolution batch "
+                f"(a NaFlex dict, keys {sorted(x)}) goes through forward or forward_features"
+            )
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         batch, _, height, width = x.shape
         feat_h, feat_w = self.patch_embed.dynamic_feat_size((height, width))
