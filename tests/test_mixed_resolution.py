@@ -225,7 +225,7 @@ def test_bad_arguments_are_refused():
         model(batch, attn_mask=torch.zeros(3, 1, 21, 21))
     with pytest.raises(ValueError, match=r"patches must be \(B, N, 4\*4\*3 = 48\)"):
         model({**batch, "patches": batch["patches"][..., :40]})
-    with pytest.raises(ValueError, match=r"patches must have shape \(B, N, P\*P\*C\) = \(3, 20"):
+    with pytest.raises(ValueError, match=r"patches must have shape \(B, N, P\*P\*C\) with \(B, N\) = \(3, 20\)"):
         model({**batch, "patches": batch["patches"][:2]})
     with pytest.raises(TypeError, match="forward_intermediates takes .* a mixed-resolution batch"):
         model.forward_intermediates(batch)

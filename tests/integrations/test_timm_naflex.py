@@ -103,3 +103,15 @@ def test_refused_naflex_settings():
         model.forward_intermediates(torch.randn(1, 3, 16, 16))
     with pytest.raises(TypeError, match="made from a NaFlexVit in place"):
         VisionPENaFlexVit()
+
+
+def test_variable_patch_size_batches_keep_the_logits():
+    # timm's patch interpolator embeds unflattened (B, N, Ph, Pw, C) patches of another size than the model's
+    model = naflexvit(enable_patch_interpolator=True)
+    images = grid_images([(2, 3), (3, 3)], patch=8)
+    batch = naflex_batch(images, 9, patch=8)
+    batch["patches"] = batch["patches"].unflatten(2, (8, 8, 3))
+    with torch.no_grad():
+        expected = model(batch)
+        apply_position_scheme(model)
+        torch.testing.assert_close(model(batch), expected, rtol=0, atol=1e-5)

@@ -332,7 +332,7 @@ class VisionPENaFlexVit(NaFlexVit):
         over the valid patches."""
         layout, grid_size = None, None
         if patch_coord is not None or patch_valid is not None:
-            patches, layout = naflex_inputs(patches, patch_coord, patch_valid, attn_mask)
+            patches, layout = naflex_inputs(patches, patch_coord, patch_valid, attn_mask, unflattened=True)
             x, _ = self.embeds(patches, patch_coord=layout.patch_coord, patch_valid=layout.patch_valid)
         else:
             x, grid_size = self.embeds(patches)

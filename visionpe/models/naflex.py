@@ -47,11 +47,13 @@ def naflex_inputs(
     patch_coord: torch.Tensor | None = None,
     patch_valid: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
+    unflattened: bool = False,
 ) -> tuple[torch.Tensor, MixedGrid] | None:
     """``(patches, layout)`` of a NaFlex batch given as a dict (timm's ``NaFlexCollator``: ``patches``,
     ``patch_coord``, ``patch_valid``; its entries take priority over the arguments, as in timm's ``NaFlexVit``) or as
     ``patches`` with ``patch_coord`` and ``patch_valid``; None for an ordinary batch (a tensor without
-    ``patch_coord``).
+    ``patch_coord``). ``unflattened``: also take patches (B, N, Ph, Pw, C) (or (B, N, C, Ph, Pw)), which timm's
+    NaFlexVit embeds with a variable patch size.
 
     Raises:
         TypeError: ``patches`` is not a floating-point tensor.
@@ -88,9 +90,11 @@ def naflex_inputs(
     layout = mixed_grid(patch_coord, patch_valid)
     if not isinstance(patches, torch.Tensor) or not patches.is_floating_point():
         raise TypeError(f"patches must be a floating-point (B, N, P*P*C) tensor, got {describe(patches)}")
-    if patches.ndim != 3 or tuple(patches.shape[:2]) != (layout.batch_size, layout.num_patches):
+    ranks = (3, 5) if unflattened else (3,)
+    if patches.ndim not in ranks or tuple(patches.shape[:2]) != (layout.batch_size, layout.num_patches):
+        shape = "(B, N, P*P*C)" + (" or (B, N, Ph, Pw, C)" if unflattened else "")
         raise ValueError(
-            f"patches must have shape (B, N, P*P*C) = ({layout.batch_size}, {layout.num_patches}, P*P*C), as "
+            f"patches must have shape {shape} with (B, N) = ({layout.batch_size}, {layout.num_patches}), as "
             f"patch_coord, got shape {tuple(patches.shape)}"
         )
     return patches, layout
