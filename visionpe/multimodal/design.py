@@ -22,7 +22,7 @@ import torch
 
 from ..checks import check_int, check_tensor
 
-__all__ = ["VisualLayout", "DesignOutput", "parse_layout", "assemble_positions", "block_max_plus_one"]
+__all__ = ["VisualLayout", "DesignOutput", "parse_layout", "assemble_positions", "block_max", "block_max_plus_one"]
 
 _MODALITY = {1: ("image", "image_grid_thw"), 2: ("video", "video_grid_thw")}
 
@@ -43,7 +43,6 @@ class VisualLayout:
     def __init__(
         self,
         valid: torch.Tensor,
-        pad: torch.Tensor,
         num_valid: torch.Tensor,
         is_text: torch.Tensor,
         flat: torch.Tensor,
@@ -53,11 +52,17 @@ class VisualLayout:
         block_first: torch.Tensor,
         block_last: torch.Tensor,
         num_images: int,
+        single_frame: bool = False,
     ) -> None:
-        self.valid, self.pad, self.num_valid, self.is_text = valid, pad, num_valid, is_text
+        self.valid, self.num_valid, self.is_text = valid, num_valid, is_text
         self.flat, self.block, self.index = flat, block, index
         self.block_thw, self.block_first, self.block_last = block_thw, block_first, block_last
         self.num_images = num_images
+        self._single_frame = single_frame  # every block has T = 1: frame is 0, row and col need one division
+
+    @cached_property
+    def pad(self) -> torch.Tensor:
+        return ~self.valid
 
     @property
     def batch_size(self) -> int:
@@ -77,12 +82,15 @@ class VisualLayout:
 
     @cached_property
     def _frame_row_col(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # Two integer divisions instead of five: q = index // W' = t * H' + i.
-        height = self.block_thw[:, 1].index_select(0, self.block)
+        # Two integer divisions instead of five: q = index // W' = t * H' + i; one when every block has T = 1.
         width = self.block_thw[:, 2].index_select(0, self.block)
         q = self.index // width
+        col = self.index - q * width
+        if self._single_frame:
+            return torch.zeros_like(q), q, col
+        height = self.block_thw[:, 1].index_select(0, self.block)
         frame = q // height
-        return frame, q - frame * height, self.index - q * width
+        return frame, q - frame * height, col
 
     @property
     def frame(self) -> torch.Tensor:
@@ -107,11 +115,11 @@ class VisualLayout:
 
     @cached_property
     def block_sample(self) -> torch.Tensor:
-        return self.batch.index_select(0, self.block_first)
+        return self.flat.index_select(0, self.block_first) // self.valid.shape[1]
 
     @cached_property
     def block_start(self) -> torch.Tensor:
-        return self.seq.index_select(0, self.block_first)
+        return self.flat.index_select(0, self.block_first) % self.valid.shape[1]
 
     def block_ordinal(self) -> torch.Tensor:
         """(G,) rank of each block inside its sample, in order of appearance (images and videos together)."""
@@ -134,6 +142,8 @@ class DesignOutput:
     transformers 5.x's continuation). ``integer``: whether the ids are integral (returned as int64; else float64).
     ``text_advance``: (B, L) cursor advance of each text token, or None for 1 per text token (every design but
     BiPE, whose text advances only after a separator); entries at visual and padded tokens are ignored.
+    ``block_top``: optional (G,) maximum of ``local`` over the ``delta_rows`` (all anchored) and the block's tokens,
+    when the design knows it without a pass over the tokens; the deltas then need no pass over the visual tokens.
     """
 
     local: torch.Tensor
@@ -142,14 +152,20 @@ class DesignOutput:
     delta_rows: tuple[int, ...] = (0, 1, 2)
     integer: bool = True
     text_advance: torch.Tensor | None = None
+    block_top: torch.Tensor | None = None
+
+
+def block_max(layout: VisualLayout, local: torch.Tensor) -> torch.Tensor:
+    """(G,) max over rows and tokens of each block's ``local`` (R, N) (0 for a block without tokens)."""
+    out = torch.zeros(layout.num_blocks, dtype=local.dtype, device=local.device)
+    if local.numel():
+        out = out.scatter_reduce(0, layout.block, local.amax(0), reduce="amax", include_self=False)
+    return out
 
 
 def block_max_plus_one(layout: VisualLayout, local: torch.Tensor) -> torch.Tensor:
     """(G,) max over rows and tokens of each block's ``local`` (R, N), plus one: the original Qwen2-VL rule."""
-    out = torch.zeros(layout.num_blocks, dtype=local.dtype, device=local.device)
-    if local.numel():
-        out = out.scatter_reduce(0, layout.block, local.amax(0), reduce="amax", include_self=False)
-    return out + 1
+    return block_max(layout, local) + 1
 
 
 def _check_grid(grid: torch.Tensor | None, name: str, spatial_merge_size: int, device: torch.device):
@@ -169,7 +185,7 @@ def _check_grid(grid: torch.Tensor | None, name: str, spatial_merge_size: int, d
 
 def _check_grid_values(image: torch.Tensor, video: torch.Tensor, spatial_merge_size: int) -> torch.Tensor:
     """Both grids as one (G, 3) tensor; a row that is not positive or not divisible raises ValueError."""
-    grids = torch.cat([image, video])
+    grids = torch.cat([image, video]) if len(video) else image
     if grids.numel() and (grids.amin() <= 0 or (grids[:, 1:] % spatial_merge_size).any()):
         bad = (grids <= 0).any(1) | (grids[:, 1:] % spatial_merge_size != 0).any(1)
         g = int(bad.nonzero()[0])
@@ -221,72 +237,95 @@ def parse_layout(
         )
     check_int(spatial_merge_size, "spatial_merge_size", min=1)
     device = token_type_ids.device
-    types = token_type_ids.long()
-    lowest, highest = torch.aminmax(types) if types.numel() else (torch.tensor(0), torch.tensor(0))
+    types = token_type_ids if token_type_ids.dtype == torch.long else token_type_ids.long()
+    lowest, highest = int(types.amin()), int(types.amax())  # two plain reductions beat one aminmax on CPU
     if lowest < 0 or highest > 2:
         b, l = ((types < 0) | (types > 2)).nonzero()[0].tolist()
         raise ValueError(
             f"token_type_ids must be 0 (text), 1 (image) or 2 (video); sample {b} has {int(types[b, l])} "
             f"at position {l}"
         )
+    batch_size, seq_len = types.shape
     if attention_mask is None:
         valid = torch.ones_like(types, dtype=torch.bool)
+        num_valid = torch.full((batch_size,), seq_len, dtype=torch.long, device=device)
+        visual = types.bool()  # types are 0, 1 or 2
     else:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != types.shape:
             shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
             raise ValueError(
                 f"attention_mask must be a (B, L) tensor like token_type_ids {tuple(types.shape)}, got {shape}"
             )
-        not_binary = (attention_mask != 0) & (attention_mask != 1)  # NaN included
-        if not_binary.any():
+        if attention_mask.dtype == torch.bool:
+            binary = True
+        elif attention_mask.is_floating_point() or attention_mask.is_complex():
+            binary = not ((attention_mask != 0) & (attention_mask != 1)).any()  # NaN included
+        else:  # integers: one reduction tells 0/1 apart from anything else
+            binary = int(attention_mask.amin()) >= 0 and int(attention_mask.amax()) <= 1
+        if not binary:
+            not_binary = (attention_mask != 0) & (attention_mask != 1)
             b, l = not_binary.nonzero()[0].tolist()
             raise ValueError(
                 f"attention_mask must hold 1 (token) or 0 (padding), got {attention_mask[b, l].item()} in sample {b} "
                 f"at position {l}"
             )
-        valid = attention_mask.to(device) != 0
-        if not valid.any(1).all():
-            b = int((~valid.any(1)).nonzero()[0])
+        valid = attention_mask.to(device=device, dtype=torch.bool)
+        # A 0/1 integer mask sums faster than its bool copy.
+        num_valid = (valid if attention_mask.is_floating_point() or attention_mask.is_complex() else attention_mask)
+        num_valid = num_valid.sum(1).to(device=device, dtype=torch.long)
+        if int(num_valid.amin()) == 0:
+            b = int((num_valid == 0).nonzero()[0])
             raise ValueError(
                 f"attention_mask marks every token of sample {b} as padding; each sample needs at least one token"
             )
+        visual = types.bool().logical_and_(valid)
     image = _check_grid(image_grid_thw, "image_grid_thw", spatial_merge_size, device)
     video = _check_grid(video_grid_thw, "video_grid_thw", spatial_merge_size, device)
-    pad = ~valid
-    types = types.masked_fill(pad, -1)
-    batch_size, seq_len = types.shape
     # Flat (b * L + l) indices: 1-D gathers are much cheaper than 2-D advanced indexing.
-    flat = (types.view(-1) > 0).nonzero().squeeze(1)
+    flat = visual.view(-1).nonzero().squeeze(1)
+    num_tokens = len(flat)
     # One stream of visual tokens: all image tokens (in batch order), then all video tokens, consumed by the
     # image grids followed by the video grids.
-    merged = _check_grid_values(image, video, spatial_merge_size).clone()
+    grids = _check_grid_values(image, video, spatial_merge_size)
+    merged = grids.clone()
     merged[:, 1:] //= spatial_merge_size
     counts = merged.prod(1)
     ends = counts.cumsum(0)
     starts = ends - counts
-    counts_list, num_images = counts.tolist(), len(image)
-    arange = torch.arange(len(flat), device=device)
+    num_images = len(image)
+    single_frame = False
+    arange = torch.arange(num_tokens, device=device)
     if len(video) == 0 and highest < 2:
         # Images only (the common case): the stream is the token order itself.
-        if len(flat) != sum(counts_list):
+        expected, frames = (ends[-1:].tolist() or [0]), merged[:, 0].amax().tolist() if len(merged) else 1
+        if num_tokens != expected[0]:
+            masked = types.masked_fill(~valid, -1)
             _raise_count_error(
-                types, flat, arange >= 0, counts_list, image, video, image_grid_thw, video_grid_thw, spatial_merge_size
+                masked, flat, arange >= 0, counts.tolist(), image, video, image_grid_thw, video_grid_thw,
+                spatial_merge_size,
             )
+        single_frame = frames == 1
         stream, first, last = arange, starts, ends - 1
     else:
+        counts_list = counts.tolist()
         is_image = types.view(-1).index_select(0, flat) == 1
         num_image_tokens = int(is_image.sum())
         expected = (sum(counts_list[:num_images]), sum(counts_list[num_images:]))
-        if (num_image_tokens, len(flat) - num_image_tokens) != expected:
+        if (num_image_tokens, num_tokens - num_image_tokens) != expected:
+            masked = types.masked_fill(~valid, -1)
             _raise_count_error(
-                types, flat, is_image, counts_list, image, video, image_grid_thw, video_grid_thw, spatial_merge_size
+                masked, flat, is_image, counts_list, image, video, image_grid_thw, video_grid_thw, spatial_merge_size
             )
         image_rank = is_image.cumsum(0) - 1
         stream = torch.where(is_image, image_rank, arange - image_rank - 1 + num_image_tokens)
         token_of = torch.empty_like(stream)
         token_of[stream] = arange
         first, last = token_of.index_select(0, starts), token_of.index_select(0, ends - 1)
-    block = torch.searchsorted(ends, stream, right=True)
+    if single_frame or len(video) == 0:
+        # The stream is the token order: block g holds tokens starts[g]..ends[g] - 1.
+        block = torch.repeat_interleave(torch.arange(len(counts), device=device), counts, output_size=num_tokens)
+    else:
+        block = torch.searchsorted(ends, stream, right=True)
     index = stream - starts.index_select(0, block)
     # A grid must be one consecutive run of one sample. Quick test: its first and last tokens sit in one row,
     # count - 1 slots apart. Only when that fails (a mask with holes) compare ranks among valid tokens.
@@ -302,12 +341,16 @@ def parse_layout(
         name, arg = _MODALITY[modality]
         b, l = divmod(int(flat[first[g]]), seq_len)
         row = g if modality == 1 else g - num_images
+        masked = types.masked_fill(~valid, -1)
         raise ValueError(
             f"{arg}[{row}] = {tuple((image if modality == 1 else video)[row].tolist())} "
             f"needs {int(counts[g])} consecutive {name} tokens from position {l} of sample {b}, but that run of "
-            f"{name} tokens ends after {_run_length(types[b], valid[b], l)}"
+            f"{name} tokens ends after {_run_length(masked[b], valid[b], l)}"
         )
-    return VisualLayout(valid, pad, valid.sum(1), types == 0, flat, block, index, merged, first, last, num_images)
+    is_text = valid.logical_xor(visual)  # visual tokens are valid ones
+    return VisualLayout(
+        valid, num_valid, is_text, flat, block, index, merged, first, last, num_images, single_frame=single_frame
+    )
 
 
 def _raise_count_error(types, flat, is_image, counts, image, video, image_given, video_given, merge) -> None:
@@ -368,21 +411,27 @@ def assemble_positions(
     # Integral designs run in int64 end to end; the others in float64, also returned as float64.
     integer = design.integer and float(pad_value).is_integer()
     dtype = torch.long if integer else torch.float64
-    local = design.local.round().long() if integer and design.local.is_floating_point() else design.local.to(dtype)
-    advance = design.advance.round().long() if integer and design.advance.is_floating_point() else design.advance
-    advance = advance.to(dtype)
+
+    def cast(values: torch.Tensor) -> torch.Tensor:
+        return values.round().long() if integer and values.is_floating_point() else values.to(dtype)
+
+    local, advance = cast(design.local), cast(design.advance)
+    # Cursor increments: 1 per valid text token (or the design's text advance), the block's advance at its last
+    # visual token, 0 at the other visual tokens and at padding.
     inc = layout.is_text.to(dtype)
     if design.text_advance is not None:
         inc = inc * design.text_advance.to(dtype)
-    inc = inc.reshape(-1)
-    inc.index_copy_(0, layout.flat.index_select(0, layout.block_last), advance)
-    inc = inc.view(batch_size, seq_len)
+    inc.view(-1).index_copy_(0, layout.flat.index_select(0, layout.block_last), advance)
     total = inc.cumsum(1)
     cursor = total - inc
     start = cursor.view(-1).index_select(0, layout.flat)
     anchored = list(design.anchored)
     num_rows = local.shape[0]
-    if all(anchored):
+    # Designs with one id broadcast to every row (1-D ids: V2PE, CCA, PyPE...) place one row and copy it.
+    one_row = num_rows > 1 and local.stride(0) == 0 and all(anchored)
+    if one_row:
+        values = start + local[0]
+    elif all(anchored):
         values = start + local
     else:
         values = torch.stack([start + local[r] if anchor else local[r] for r, anchor in enumerate(anchored)])
@@ -392,14 +441,26 @@ def assemble_positions(
     # row alone in the last bit.
     next_position = total[:, -1]
     if values.numel():
-        rows = values if len(design.delta_rows) == num_rows else values[list(design.delta_rows)]
-        rows = rows.amax(0) + 1
-        next_position = next_position.scatter_reduce(0, layout.batch, rows, reduce="amax")
+        if design.block_top is not None and all(anchored[r] for r in design.delta_rows):
+            # Per block: start + max(local) + 1, which is the maximum of start + local + 1 (rounding is monotonic).
+            top = start.index_select(0, layout.block_first) + cast(design.block_top) + 1
+            next_position = next_position.scatter_reduce(0, layout.block_sample, top, reduce="amax")
+        else:
+            if one_row:
+                rows = values + 1
+            else:
+                rows = values if len(design.delta_rows) == num_rows else values[list(design.delta_rows)]
+                rows = rows.amax(0) + 1
+            next_position = next_position.scatter_reduce(0, layout.batch, rows, reduce="amax")
     reference = layout.num_valid if delta_convention == "valid" else seq_len
     deltas = (next_position - reference)[:, None]
     pad = int(pad_value) if integer else float(pad_value)
-    filled = cursor.masked_fill(layout.pad, pad).view(1, -1)
-    positions = torch.cat([filled] * num_rows)
-    positions.index_copy_(1, layout.flat, values)
+    filled = torch.where(valid, cursor, pad).view(-1)
+    if one_row:
+        filled.index_copy_(0, layout.flat, values)
+        positions = filled.expand(num_rows, -1).contiguous()
+    else:
+        positions = torch.cat([filled[None]] * num_rows)
+        positions.index_copy_(1, layout.flat, values)
     positions = positions.view(num_rows, batch_size, seq_len)
     return positions, deltas

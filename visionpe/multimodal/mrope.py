@@ -37,8 +37,13 @@ def continue_after_blocks(layout: VisualLayout, local: torch.Tensor, continuatio
 
 def mrope_design(layout: VisualLayout, *, continuation: str = "max_plus_one") -> DesignOutput:
     """Qwen2-VL: local (t, i, j) on rows (t, h, w); text continues per ``continuation``."""
+    check_choice(continuation, "continuation", CONTINUATIONS)
     local = torch.stack([layout.frame, layout.row, layout.col])
-    return DesignOutput(local=local, advance=continue_after_blocks(layout, local, continuation))
+    # A block covers its whole T x H' x W' grid, so its largest local id is max(T, H', W') - 1: no pass over the
+    # tokens for the continuation or the deltas.
+    top = layout.block_thw.amax(1) - 1
+    advance = top + 1 if continuation == "max_plus_one" else layout.block_thw[:, 1:].amax(1)
+    return DesignOutput(local=local, advance=advance, block_top=top)
 
 
 def mrope_abs_time_design(
