@@ -7,7 +7,8 @@ must carry exactly the model's position schemes). ``features_only=True`` works a
 (B, C, H, W) maps through ``forward_intermediates``, the last 3 blocks unless ``out_indices`` says otherwise).
 
 To keep a pretrained timm model and change its position encoding in place (EVA-02, DINOv3, timm's RoPE ViTs, any
-``VisionTransformer``), use :func:`apply_position_scheme` (:mod:`visionpe.integrations.timm_swap`).
+``VisionTransformer``, timm's ``NaFlexVit``), use :func:`apply_position_scheme`
+(:mod:`visionpe.integrations.timm_swap`).
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from ..models.convert import convert_timm_state_dict
 from ..models.multiview_vit import MultiViewViT
 from ..models.video_vit import VideoPEViT
 from ..models.vit import VisionPEViT
-from .timm_swap import SwapReport, VisionPEEva, apply_position_scheme, own_position_scheme
+from .timm_swap import SwapReport, VisionPEEva, VisionPENaFlexVit, apply_position_scheme, own_position_scheme
 
 __all__ = [
     "VisionPEViT",
     "VideoPEViT",
     "MultiViewViT",
     "VisionPEEva",
+    "VisionPENaFlexVit",
     "SwapReport",
     "apply_position_scheme",
     "own_position_scheme",
