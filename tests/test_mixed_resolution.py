@@ -238,3 +238,28 @@ def test_bad_arguments_are_refused():
         dropout(batch)
     with pytest.raises(ValueError, match="reads \\('patch_depth',\\)"):
         tiny("string_cayley", pos_embed_kwargs={"depth_coords": True})(batch)
+
+
+@pytest.mark.parametrize(
+    ("pos_embed", "options", "padded"),
+    [
+        ("rope_axial", {}, True),  # per-token tables, one padded attention
+        ("rope_dinov3", {}, True),  # its normalised coordinates are built per grid, then gathered per token
+        ("learned", {}, True),  # nothing in attention: the padding mask alone
+        ("rope_axial", {"extrapolation": "ntk"}, False),  # frequencies scaled per grid: grid by grid
+        ("rope_mixed", {"extrapolation": "yarn"}, False),
+        ("alibi2d", {}, False),  # bias schemes: grid by grid
+    ],
+)
+def test_context_form_and_extrapolation_modes(pos_embed, options, padded):
+    from visionpe.models.naflex import build_mixed_position_context
+
+    model = tiny(pos_embed, pos_embed_kwargs=options)
+    images = grid_images()
+    batch = naflex_batch(images, 20)
+    layout = mixed_grid(batch["patch_coord"], batch["patch_valid"])
+    ctx = build_mixed_position_context(model.pos_schemes.values(), 1, layout, torch.device("cpu"))
+    assert (ctx.groups is None) == padded and (ctx.attn_mask is not None) == padded
+    if padded:
+        assert ctx.attn_mask.shape == (3, 1, 1, 21) and ctx.attn_mask.sum().item() == 3 + 15 + 16 + 6
+    assert_each_alone(model, images, batch)  # the 3x5 grid is wider than the 4x4 training grid

@@ -22,11 +22,13 @@ need no gradient), attention runs in chunks of query rows: each scheme builds th
 computation. A recorded attention keeps its whole bias for the backward in any case, so it runs in one piece.
 
 A mixed-resolution batch (timm's NaFlex layout, :class:`~visionpe.grid.MixedGrid`) gives each sample its own grid,
-valid tokens first and padding after. Its context holds ``groups``, one :class:`GridGroup` per distinct grid with the
-states built for that grid; attention then runs group by group on the valid tokens of the group's samples, each group
-through the path above as an ordinary one-grid batch, and padding rows get a zero output. Padding thus never enters a
-softmax, a bias or a rotation of a valid token, and every scheme, whatever its positions depend on, sees exactly the
-grid it would see for the image alone.
+valid tokens first and padding after (:func:`~visionpe.models.naflex.build_mixed_position_context`). Where every
+scheme in attention rotates by per-token cos/sin tables, the context holds per-sample tables and ``attn_mask``, the
+key-padding mask, and attention runs once over the padded batch. Otherwise it holds ``groups``, one
+:class:`GridGroup` per distinct grid with the states built for that grid; attention then runs group by group on the
+valid tokens of the group's samples, each group through the path above as an ordinary one-grid batch, and padding rows
+get a zero output. Either way padding never enters a softmax, a bias or a rotation of a valid token, and every scheme,
+whatever its positions depend on, sees exactly the grid it would see for the image alone.
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ class PositionContext:
     num_tokens: int = 0
     # mixed-resolution batch: one GridGroup per distinct grid, whose contexts hold the states; None for one grid
     groups: list[GridGroup] | None = None
+    # mixed-resolution batch in one padded attention: (B, 1, 1, T) bool, True on the keys a token may attend to (the
+    # prefix and each sample's valid patches); the rotary states then hold per-sample tables
+    attn_mask: torch.Tensor | None = None
 
     def keep_tokens(self, keep: torch.Tensor, num_prefix_tokens: int, num_tokens: int) -> None:
         """Record patch dropout's ``keep`` (B, K) indices of the kept patches (timm's ``PatchDropoutWithIndices``)
@@ -138,6 +143,8 @@ class PosAttention(Attention):
     ) -> torch.Tensor:
         if pos is not None and pos.groups is not None:
             return self._forward_groups(x, attn_mask, is_causal, pos.groups)
+        if pos is not None and pos.attn_mask is not None:
+            attn_mask = self._padding_mask(attn_mask, is_causal, pos.attn_mask)
         if pos is None or not (pos.rotary or pos.bias or pos.camera):
             return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
         B, N, _ = x.shape
@@ -168,6 +175,16 @@ class PosAttention(Attention):
         if gate is not None:
             x = x * gate
         return self.proj_drop(self.proj(x))
+
+    @staticmethod
+    def _padding_mask(attn_mask: torch.Tensor | None, is_causal: bool, padding: torch.Tensor) -> torch.Tensor:
+        """The key-padding mask of a mixed-resolution batch, which replaces ``attn_mask`` (none may be given)."""
+        if attn_mask is not None or is_causal:
+            raise ValueError(
+                "a mixed-resolution batch masks its padding from patch_valid; attn_mask and is_causal are not taken "
+                f"with it, got attn_mask={'a tensor' if attn_mask is not None else None}, is_causal={is_causal}"
+            )
+        return padding
 
     def _forward_groups(
         self, x: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool, groups: list[GridGroup]

@@ -9,7 +9,9 @@ in raster order, padding after (:func:`~visionpe.grid.mixed_grid`). The model th
 2. applies each absolute scheme group by group, to the valid tokens of the samples sharing a grid, at that grid
    (:func:`apply_per_grid`): a learned table is resampled once per grid, CPE's PEG convolves each image on its own
    grid;
-3. builds one :class:`~visionpe.attention.PositionContext` per grid (:func:`build_mixed_position_context`), which the
+3. builds the position context (:func:`build_mixed_position_context`): rotary schemes with per-token cos/sin
+   tables get per-sample coordinates, each image's at its own grid, and attention runs once over the padded batch
+   with the padding keys masked; with any other scheme in attention, one context per distinct grid, which the
    attention runs group by group (:class:`~visionpe.attention.GridGroup`);
 4. pools over the valid tokens only (:func:`pool_valid`).
 
@@ -171,14 +173,49 @@ def apply_per_grid(
     return out
 
 
+def _per_token_rotary(scheme: nn.Module, grids: list[tuple[int, ...]]) -> bool:
+    """Whether ``scheme`` gives a mixed batch the same rotation through per-token tables as grid by grid: a
+    :class:`~visionpe.rotary.base.LinearRotary` with its own ``prepare`` (cos/sin of coordinates times frequencies)
+    whose frequencies and table multiplier are the same at every grid of the batch (no extrapolation mode, or one
+    that leaves these grids alone); its coordinates, which may depend on the grid, are built per grid."""
+    from ..rotary.base import LinearRotary
+
+    if not isinstance(scheme, LinearRotary) or type(scheme).prepare is not LinearRotary.prepare:
+        return False
+    first_freqs, first_scale = scheme.scaled_frequencies(grids[0])
+    for grid in grids[1:]:
+        freqs, scale = scheme.scaled_frequencies(grid)
+        if scale != first_scale or not torch.equal(freqs, first_freqs):
+            return False
+    return True
+
+
+def _key_mask(layout: MixedGrid, num_prefix_tokens: int) -> torch.Tensor:
+    """(B, 1, 1, P + N) bool, True on the keys a token may attend to: the prefix tokens and the valid patches."""
+    valid = layout.patch_valid
+    prefix = valid.new_ones(valid.shape[0], num_prefix_tokens)
+    return torch.cat((prefix, valid), dim=1)[:, None, None, :]
+
+
 def build_mixed_position_context(
     schemes: Iterable[nn.Module], num_prefix_tokens: int, layout: MixedGrid, device: torch.device
 ) -> PositionContext:
-    """The :class:`~visionpe.attention.PositionContext` of a mixed-resolution batch: one
-    :func:`~visionpe.models.vit.build_position_context` per distinct grid of ``layout``, as
-    :class:`~visionpe.attention.GridGroup` entries of ``groups``; attention runs each group on its valid tokens.
+    """The :class:`~visionpe.attention.PositionContext` of a mixed-resolution batch, in one of two forms:
+
+    - one padded attention: when the schemes in attention are all rotary schemes with per-token cos/sin tables
+      whose frequencies are the same at every grid of the batch (``rope_axial``, ``rope_mixed``, ``rope_dinov3``,
+      ``rope_learned``, ``gridpe`` without an extrapolation mode), or there are none (absolute schemes only): each
+      rotary state is prepared from per-sample coordinates (B, N, ndim), each sample's built in the scheme's own mode
+      at its own grid, and ``attn_mask`` masks the padding keys (padding queries attend to the valid keys, so every
+      softmax stays finite);
+    - grid by grid otherwise (bias schemes, LieRE, ComRoPE, STRING, SeqPE, extrapolation modes that scale per grid):
+      one :func:`~visionpe.models.vit.build_position_context` per distinct grid, as
+      :class:`~visionpe.attention.GridGroup` entries of ``groups``; attention runs each group on its valid tokens.
+
+    Either gives each image the positions it has alone.
 
     Raises:
+        TypeError: ``layout`` is not a :class:`~visionpe.grid.MixedGrid`.
         ValueError: a scheme that reads per-sample inputs beyond the patches (STRING's ``patch_depth``), which a
             NaFlex batch does not carry.
     """
@@ -193,11 +230,26 @@ def build_mixed_position_context(
                 f"{type(scheme).__name__} reads {scheme.extra_inputs} from the model, which a mixed-resolution "
                 "batch does not carry; use it with ordinary (B, C, H, W) batches"
             )
-    groups = [
-        GridGroup(grid, index, length, build_position_context(schemes, num_prefix_tokens, grid, device))
-        for grid, index, length in _group_rows(layout, num_prefix_tokens)
-    ]
-    return PositionContext(groups=groups)
+    grids = [grid for grid, _ in layout.groups]
+    in_attention = [s for s in schemes if s.kind in ("rotary", "bias")]
+    if not all(s.kind == "rotary" and _per_token_rotary(s, grids) for s in in_attention):
+        groups = [
+            GridGroup(grid, index, length, build_position_context(schemes, num_prefix_tokens, grid, device))
+            for grid, index, length in _group_rows(layout, num_prefix_tokens)
+        ]
+        return PositionContext(groups=groups)
+    ctx = PositionContext(attn_mask=None if layout.is_uniform else _key_mask(layout, num_prefix_tokens).to(device))
+    batch, num_patches = layout.batch_size, layout.num_patches
+    for scheme in in_attention:
+        coords = None
+        for grid, index in layout.groups:
+            rows = scheme.model_coords(grid, device)  # (H W, ndim), in the scheme's mode at this grid
+            if coords is None:
+                coords = rows.new_zeros(batch, num_patches, rows.shape[-1])
+            positions = torch.arange(rows.shape[0], device=rows.device)[:, None]
+            coords = coords.index_put((index.to(rows.device), positions), rows[:, None].expand(-1, len(index), -1))
+        ctx.rotary.append(scheme.prepare(coords, num_prefix_tokens, grid_size=grids[0]))
+    return ctx
 
 
 def pool_valid(
