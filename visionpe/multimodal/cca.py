@@ -75,7 +75,9 @@ def cca_design(layout: VisualLayout) -> DesignOutput:
     """
     level, rings = ring_levels(layout)
     local = layout.frame * layout.per_token(rings) + level
-    return DesignOutput(local=local.expand(3, -1), advance=layout.block_thw[:, 0] * rings)
+    advance = layout.block_thw[:, 0] * rings
+    # The centre ring (K - 1) of the last frame is the block's largest id: T K - 1.
+    return DesignOutput(local=local.expand(3, -1), advance=advance, block_top=advance - 1)
 
 
 def visual_block_mask(layout: VisualLayout, local: torch.Tensor) -> torch.Tensor:

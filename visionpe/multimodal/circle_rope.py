@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..checks import check_bool, check_float, check_int, check_positive
-from .design import DesignOutput, VisualLayout, block_max_plus_one
+from .design import DesignOutput, VisualLayout, block_max
 from .mrope import mrope_design
 
 __all__ = ["circle_rope_design", "circle_rope_layer_of"]
@@ -86,7 +86,8 @@ def circle_rope_design(
     point = px[:, None] * u + py[:, None] * v  # (N, 3) as (w, h, t)
     shift = layout.per_token(layout.block_ordinal()).double() * float(image_shift)
     local = point.flip(1).T + shift  # rows (t, h, w)
-    return DesignOutput(local=local, advance=block_max_plus_one(layout, local), integer=False)
+    top = block_max(layout, local)
+    return DesignOutput(local=local, advance=top + 1, integer=False, block_top=top)
 
 
 def circle_rope_layer_of(layer: int, options: dict[str, Any]) -> int:

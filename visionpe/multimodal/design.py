@@ -15,7 +15,7 @@ reset). A design therefore only supplies ``local`` (rows, N) for the N visual to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from itertools import accumulate
 
 import torch
@@ -114,12 +114,22 @@ class VisualLayout:
         return ids.masked_fill(ids < 0, -1)
 
     @cached_property
+    def block_first_flat(self) -> torch.Tensor:
+        """(G,) flat index (b * L + l) of each block's first token."""
+        return self.flat.index_select(0, self.block_first)
+
+    @cached_property
+    def block_last_flat(self) -> torch.Tensor:
+        """(G,) flat index of each block's last token."""
+        return self.flat.index_select(0, self.block_last)
+
+    @cached_property
     def block_sample(self) -> torch.Tensor:
-        return self.flat.index_select(0, self.block_first) // self.valid.shape[1]
+        return self.block_first_flat // self.valid.shape[1]
 
     @cached_property
     def block_start(self) -> torch.Tensor:
-        return self.flat.index_select(0, self.block_first) % self.valid.shape[1]
+        return self.block_first_flat % self.valid.shape[1]
 
     def block_ordinal(self) -> torch.Tensor:
         """(G,) rank of each block inside its sample, in order of appearance (images and videos together)."""
@@ -183,10 +193,22 @@ def _check_grid(grid: torch.Tensor | None, name: str, spatial_merge_size: int, d
     return grid.to(device=device, dtype=torch.long)
 
 
-def _check_grid_values(image: torch.Tensor, video: torch.Tensor, spatial_merge_size: int) -> torch.Tensor:
-    """Both grids as one (G, 3) tensor; a row that is not positive or not divisible raises ValueError."""
+@cache
+def _merge_divisor(spatial_merge_size: int, device: torch.device) -> torch.Tensor:
+    """(3,) divisors (1, m, m) of a (t, h, w) row; shared, never written to."""
+    return torch.tensor([1, spatial_merge_size, spatial_merge_size], dtype=torch.long, device=device)
+
+
+def _check_grid_values(
+    image: torch.Tensor, video: torch.Tensor, spatial_merge_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both grids as one (G, 3) tensor and its merged (T, H', W'); a row that is not positive or not divisible
+    raises ValueError."""
     grids = torch.cat([image, video]) if len(video) else image
-    if grids.numel() and (grids.amin() <= 0 or (grids[:, 1:] % spatial_merge_size).any()):
+    divisor = _merge_divisor(spatial_merge_size, grids.device)
+    merged = grids // divisor
+    # Positive with h and w divisible by m exactly when every merged entry is >= 1 and scales back to the row.
+    if grids.numel() and (int(merged.amin()) < 1 or not torch.equal(merged * divisor, grids)):
         bad = (grids <= 0).any(1) | (grids[:, 1:] % spatial_merge_size != 0).any(1)
         g = int(bad.nonzero()[0])
         name, row = ("image_grid_thw", g) if g < len(image) else ("video_grid_thw", g - len(image))
@@ -194,7 +216,7 @@ def _check_grid_values(image: torch.Tensor, video: torch.Tensor, spatial_merge_s
             f"{name}[{row}] = {tuple(grids[g].tolist())} must be positive with h and w divisible by "
             f"spatial_merge_size={spatial_merge_size}"
         )
-    return grids
+    return grids, merged
 
 
 def _run_length(types: torch.Tensor, valid: torch.Tensor, start: int) -> int:
@@ -286,9 +308,7 @@ def parse_layout(
     num_tokens = len(flat)
     # One stream of visual tokens: all image tokens (in batch order), then all video tokens, consumed by the
     # image grids followed by the video grids.
-    grids = _check_grid_values(image, video, spatial_merge_size)
-    merged = grids.clone()
-    merged[:, 1:] //= spatial_merge_size
+    grids, merged = _check_grid_values(image, video, spatial_merge_size)
     counts = merged.prod(1)
     ends = counts.cumsum(0)
     starts = ends - counts
@@ -330,12 +350,15 @@ def parse_layout(
     # A grid must be one consecutive run of one sample. Quick test: its first and last tokens sit in one row,
     # count - 1 slots apart. Only when that fails (a mask with holes) compare ranks among valid tokens.
     first_flat, last_flat = flat.index_select(0, first), flat.index_select(0, last)
-    split = (last_flat - first_flat != counts - 1) | (first_flat // seq_len != last_flat // seq_len)
-    if split.any():
+    consecutive = torch.equal(last_flat - first_flat, counts - 1) and torch.equal(
+        first_flat // seq_len, last_flat // seq_len
+    )
+    split = None
+    if not consecutive:
         rank = valid.cumsum(1).view(-1)
         key = rank.index_select(0, flat) + (flat // seq_len) * (seq_len + 1)
         split = key.index_select(0, last) - key.index_select(0, first) != counts - 1
-    if split.any():
+    if split is not None and split.any():
         g = int(split.nonzero()[0])
         modality = 1 if g < num_images else 2
         name, arg = _MODALITY[modality]
@@ -348,9 +371,11 @@ def parse_layout(
             f"{name} tokens ends after {_run_length(masked[b], valid[b], l)}"
         )
     is_text = valid.logical_xor(visual)  # visual tokens are valid ones
-    return VisualLayout(
+    layout = VisualLayout(
         valid, num_valid, is_text, flat, block, index, merged, first, last, num_images, single_frame=single_frame
     )
+    layout.block_first_flat, layout.block_last_flat = first_flat, last_flat
+    return layout
 
 
 def _raise_count_error(types, flat, is_image, counts, image, video, image_given, video_given, merge) -> None:
@@ -421,9 +446,10 @@ def assemble_positions(
     inc = layout.is_text.to(dtype)
     if design.text_advance is not None:
         inc = inc * design.text_advance.to(dtype)
-    inc.view(-1).index_copy_(0, layout.flat.index_select(0, layout.block_last), advance)
+    inc.view(-1).index_copy_(0, layout.block_last_flat, advance)
     total = inc.cumsum(1)
-    cursor = total - inc
+    next_position = total[:, -1].clone()
+    cursor = total.sub_(inc)
     start = cursor.view(-1).index_select(0, layout.flat)
     anchored = list(design.anchored)
     num_rows = local.shape[0]
@@ -439,11 +465,10 @@ def assemble_positions(
     # video's time row under the "spatial_extent" rule). The running sum's last entry, not ``inc.sum(1)``: a sum
     # reduces fractional advances (Circle-RoPE) in another order, so a padded row's delta differed from the same
     # row alone in the last bit.
-    next_position = total[:, -1]
     if values.numel():
         if design.block_top is not None and all(anchored[r] for r in design.delta_rows):
             # Per block: start + max(local) + 1, which is the maximum of start + local + 1 (rounding is monotonic).
-            top = start.index_select(0, layout.block_first) + cast(design.block_top) + 1
+            top = cursor.view(-1).index_select(0, layout.block_first_flat) + cast(design.block_top) + 1
             next_position = next_position.scatter_reduce(0, layout.block_sample, top, reduce="amax")
         else:
             if one_row:
@@ -455,12 +480,16 @@ def assemble_positions(
     reference = layout.num_valid if delta_convention == "valid" else seq_len
     deltas = (next_position - reference)[:, None]
     pad = int(pad_value) if integer else float(pad_value)
-    filled = torch.where(valid, cursor, pad).view(-1)
+    # Row 0 is written in place (text at the cursor, pads at pad_value, and for one-row designs the visual ids),
+    # then copied to the other rows: the (R, B, L) output is written once.
+    positions = torch.empty(num_rows, batch_size * seq_len, dtype=dtype, device=valid.device)
+    first = positions[0]
+    torch.where(valid.view(-1), cursor.view(-1), cursor.new_full((), pad), out=first)
     if one_row:
-        filled.index_copy_(0, layout.flat, values)
-        positions = filled.expand(num_rows, -1).contiguous()
+        first.index_copy_(0, layout.flat, values)
+        positions[1:] = first
     else:
-        positions = torch.cat([filled[None]] * num_rows)
+        positions[1:] = first
         positions.index_copy_(1, layout.flat, values)
     positions = positions.view(num_rows, batch_size, seq_len)
     return positions, deltas

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_bool, check_choice, check_positive
-from .design import DesignOutput, VisualLayout, block_max_plus_one
+from .design import DesignOutput, VisualLayout, block_max, block_max_plus_one
 
 __all__ = ["CONTINUATIONS", "mrope_design", "mrope_abs_time_design", "continue_after_blocks"]
 
@@ -87,9 +87,10 @@ def mrope_abs_time_design(
     else:
         temporal = torch.zeros(layout.frame.shape, dtype=torch.float64, device=device)
     local = torch.stack([temporal, layout.row.double(), layout.col.double()])
-    return DesignOutput(
-        local=local, advance=continue_after_blocks(layout, local, continuation), integer=not fractional_time
-    )
+    check_choice(continuation, "continuation", CONTINUATIONS)
+    top = block_max(layout, local)
+    advance = top + 1 if continuation == "max_plus_one" else layout.block_thw[:, 1:].amax(1)
+    return DesignOutput(local=local, advance=advance, integer=not fractional_time, block_top=top)
 
 
 def _video_intervals(

@@ -63,14 +63,15 @@ def _base_ids(
     second_per_grid_ts: torch.Tensor | list[float] | None,
     tokens_per_second: float,
     continuation: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(3, N) local ids and (G,) advances of the dense (or occupancy-compressed) design."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(3, N) local ids, (G,) advances and (G,) largest local id (or None) of the dense (or occupancy-compressed)
+    design."""
     if occupancy is not None:
         check_int(occupancy, "occupancy", min=1, expected="a positive int or None")
         count = layout.block_thw.prod(1)
         used = count.clamp(max=occupancy)
         local = layout.index * layout.per_token(used) // layout.per_token(count)
-        return local.expand(3, -1), used
+        return local.expand(3, -1), used, (count - 1) * used // count
     if second_per_grid_ts is not None:
         base = mrope_abs_time_design(
             layout,
@@ -80,7 +81,8 @@ def _base_ids(
         )
     else:
         base = mrope_design(layout, continuation=continuation)
-    return base.local.round().long(), base.advance.round().long()
+    top = None if base.block_top is None else base.block_top.round().long()
+    return base.local.round().long(), base.advance.round().long(), top
 
 
 def _representatives(
@@ -164,11 +166,14 @@ def ppe_design(
         )
     if clusters is None and weights is not None:
         raise ValueError("weights need clusters: without clusters every visual token is its own cluster")
-    local, advance = _base_ids(layout, occupancy, second_per_grid_ts, tokens_per_second, continuation)
+    local, advance, top = _base_ids(layout, occupancy, second_per_grid_ts, tokens_per_second, continuation)
     k = num_representatives
     if clusters is None:
         rows = local.repeat_interleave(k, dim=0)
     else:
         picks = _representatives(layout, clusters, weights, k, representatives)  # (K, N)
         rows = local[:, picks].reshape(3 * k, -1)  # (3, K, N) -> rows t_1..t_K, h_1..h_K, w_1..w_K
-    return DesignOutput(local=rows, advance=advance, anchored=(True,) * (3 * k), delta_rows=tuple(range(3 * k)))
+        top = None  # the representatives need not include the block's largest id
+    return DesignOutput(
+        local=rows, advance=advance, anchored=(True,) * (3 * k), delta_rows=tuple(range(3 * k)), block_top=top
+    )

@@ -75,7 +75,9 @@ def pype_design(layout: VisualLayout, *, interval: int | None = None, layer: int
         rings = (rings - layer // interval).clamp(min=1)
     per_token = layout.per_token(rings)
     local = layout.frame * per_token + torch.minimum(level, per_token - 1)
-    return DesignOutput(local=local.expand(3, -1), advance=layout.block_thw[:, 0] * rings)
+    advance = layout.block_thw[:, 0] * rings
+    # K(l) <= K(0): the centre reaches level K(l) - 1, so the last frame's centre is the block's largest id.
+    return DesignOutput(local=local.expand(3, -1), advance=advance, block_top=advance - 1)
 
 
 def pype_layer_of(layer: int, options: dict[str, Any]) -> int:

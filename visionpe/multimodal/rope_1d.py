@@ -31,4 +31,5 @@ def rope_1d_design(layout: VisualLayout) -> DesignOutput:
         ([[0, 1, 2, 3, 4, 5, 6, 7, 8]], [[0]])
     """
     local = layout.index.expand(3, -1)
-    return DesignOutput(local=local, advance=layout.block_thw.prod(1))
+    count = layout.block_thw.prod(1)
+    return DesignOutput(local=local, advance=count, block_top=count - 1)

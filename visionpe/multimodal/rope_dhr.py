@@ -129,4 +129,5 @@ def rope_dhr_design(
         advance = torch.zeros(layout.num_blocks, dtype=torch.long, device=local.device)
     # Untiled blocks advance by their token count; tiled images by one tile's (the thumbnail's) H' W'.
     advance = torch.where(advance > 0, advance, layout.block_thw.prod(1))
-    return DesignOutput(local=local.expand(3, -1), advance=advance)
+    # The largest id is the last raster id: the thumbnail's (tiled) or the last token's (untiled).
+    return DesignOutput(local=local.expand(3, -1), advance=advance, block_top=advance - 1)

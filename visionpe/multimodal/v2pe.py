@@ -80,7 +80,9 @@ def v2pe_design(layout: VisualLayout, *, delta: float | torch.Tensor = 0.25) -> 
     local = (layout.index + 1).double() * layout.per_token(step) - 1
     # The small epsilon keeps ceil(0.1 * 30) at 3 despite binary rounding of delta.
     advance = torch.ceil(step * numel - 1e-9)
-    return DesignOutput(local=local.expand(3, -1), advance=advance, integer=False)
+    # The last token's id, computed as the tokens' are (the ids increase with the index).
+    top = numel * step - 1
+    return DesignOutput(local=local.expand(3, -1), advance=advance, integer=False, block_top=top)
 
 
 def sample_v2pe_delta(

@@ -25,8 +25,9 @@ def diagonal_layout(layout: VisualLayout, temporal_step: torch.Tensor) -> Design
     local = torch.stack(
         [temporal, temporal + (layout.row - (height - 1) // 2), temporal + (layout.col - (width - 1) // 2)]
     )
-    advance = (layout.block_thw[:, 0] - 1).double() * temporal_step + 1
-    return DesignOutput(local=local, advance=advance, delta_rows=(0,), integer=False)
+    last_frame = (layout.block_thw[:, 0] - 1).double() * temporal_step  # the t row's largest id, as computed above
+    advance = last_frame + 1
+    return DesignOutput(local=local, advance=advance, delta_rows=(0,), integer=False, block_top=last_frame)
 
 
 def videorope_design(layout: VisualLayout, *, delta: float | torch.Tensor = 2.0) -> DesignOutput:

@@ -26,4 +26,6 @@ def vrope_design(layout: VisualLayout) -> DesignOutput:
     i, j = layout.row, layout.col
     local = torch.stack([frame_offset + i + j, frame_offset + i + (width - 1 - j), frame_offset + (height - 1 - i) + j])
     thw = layout.block_thw
-    return DesignOutput(local=local.double(), advance=(thw[:, 0] * (thw[:, 1] + thw[:, 2] - 1)).double())
+    advance = (thw[:, 0] * (thw[:, 1] + thw[:, 2] - 1)).double()
+    # Largest id: the last frame's corner (H'-1, W'-1) on row t, (T - 1)(H' + W' - 1) + H' + W' - 2 = advance - 1.
+    return DesignOutput(local=local.double(), advance=advance, block_top=advance - 1)
