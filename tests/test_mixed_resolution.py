@@ -14,7 +14,7 @@ from timm.data.naflex_transforms import patchify_image
 
 import visionpe
 from visionpe.grid import MixedGrid, mixed_grid
-from visionpe.models.naflex import embed_patches, naflex_inputs, pool_valid
+from visionpe.models.naflex import NAFLEX_KEYS, apply_per_grid, embed_patches, naflex_inputs, pool_valid
 
 from .conftest import ALL_SCHEMES
 from .reliability.helpers import perturb_
@@ -155,7 +155,7 @@ def test_timm_naflex_loader_feeds_a_training_step():
     with torch.no_grad():
         mixed = model(inputs)
         for i, n in enumerate(layout.lengths):
-            single = {k: inputs[k][i : i + 1, :n] for k in ("patches", "patch_coord", "patch_valid")}
+            single = {k: inputs[k][i : i + 1, :n] for k in NAFLEX_KEYS}
             torch.testing.assert_close(mixed[i], model(single)[0], rtol=0, atol=1e-5)
 
 
@@ -231,6 +231,11 @@ def test_bad_arguments_are_refused():
         model.forward_intermediates(batch)
     with pytest.raises(TypeError, match="patches must be a floating-point"):
         naflex_inputs({**batch, "patches": batch["patches"].long()})
+    layout = mixed_grid(batch["patch_coord"], batch["patch_valid"])
+    with pytest.raises(TypeError, match="fn must be a callable"):
+        apply_per_grid(None, torch.zeros(3, 21, 32), layout, 1)
+    with pytest.raises(ValueError, match=r"x must be \(B, P \+ N, C\) = \(3, 1 \+ 20, C\)"):
+        apply_per_grid(lambda t, g: t, torch.zeros(3, 20, 32), layout, 1)
     with pytest.raises(TypeError, match="patch_valid must be a \\(B, N\\) bool tensor"):
         pool_valid(model, torch.zeros(3, 21, 32), batch["patch_valid"].long())
     dropout = tiny("learned", patch_drop_rate=0.5).train()

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..attention import GridGroup, PositionContext
 from ..checks import describe
-from ..grid import MixedGrid, mixed_grid
+from ..grid import MixedGrid, mixed_grid, validate_count
 
 __all__ = [
     "NAFLEX_KEYS",
@@ -149,6 +149,11 @@ def apply_per_grid(
     ``x`` (B, num_prefix_tokens + N, C); ``fn`` maps (b, num_prefix_tokens + H W, C) tokens at ``grid_size`` to the
     same shape (an absolute scheme's forward). A batch with one grid and no padding calls ``fn`` once on ``x``.
     """
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable (tokens, grid_size) -> tokens, got {describe(fn)}")
+    if not isinstance(layout, MixedGrid):
+        raise TypeError(f"layout must be a visionpe.grid.MixedGrid (from mixed_grid), got {describe(layout)}")
+    validate_count(num_prefix_tokens, "num_prefix_tokens")
     if (
         not isinstance(x, torch.Tensor)
         or x.ndim != 3
@@ -223,6 +228,7 @@ def build_mixed_position_context(
 
     if not isinstance(layout, MixedGrid):
         raise TypeError(f"layout must be a visionpe.grid.MixedGrid (from mixed_grid), got {describe(layout)}")
+    validate_count(num_prefix_tokens, "num_prefix_tokens")
     schemes = list(schemes)
     for scheme in schemes:
         if scheme.extra_inputs:
