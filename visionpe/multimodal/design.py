@@ -443,14 +443,29 @@ def assemble_positions(
     local, advance = cast(design.local), cast(design.advance)
     # Cursor increments: 1 per valid text token (or the design's text advance), the block's advance at its last
     # visual token, 0 at the other visual tokens and at padding.
-    inc = layout.is_text.to(dtype)
-    if design.text_advance is not None:
-        inc = inc * design.text_advance.to(dtype)
-    inc.view(-1).index_copy_(0, layout.block_last_flat, advance)
-    total = inc.cumsum(1)
-    next_position = total[:, -1].clone()
-    cursor = total.sub_(inc)
-    start = cursor.view(-1).index_select(0, layout.flat)
+    if integer and design.text_advance is None:
+        # Integral ids with one position per text token: the running sum starts at -1, so that it *is* the
+        # cursor at every text token (no second pass for the exclusive sum), and it runs in int32 when the ids
+        # stay far below 2^31 (half the memory traffic over the (B, L) batch).
+        small = abs(pad_value) < 2**30 and seq_len + (int(advance.abs().sum()) if len(advance) else 0) < 2**30
+        inc = layout.is_text.to(torch.int32 if small else dtype)
+        inc[:, 0] -= 1
+        inc.view(-1).index_add_(0, layout.block_last_flat, advance.to(inc.dtype))
+        cursor = inc.cumsum(1, dtype=inc.dtype)
+        next_position = cursor[:, -1].to(dtype) + 1
+        # A block's start: the sum before its last token, where the block's whole advance is added.
+        block_start = cursor.view(-1).index_select(0, layout.block_last_flat).to(dtype) + 1 - advance
+        start = layout.per_token(block_start)
+    else:
+        inc = layout.is_text.to(dtype)
+        if design.text_advance is not None:
+            inc = inc * design.text_advance.to(dtype)
+        inc.view(-1).index_copy_(0, layout.block_last_flat, advance)
+        total = inc.cumsum(1)
+        next_position = total[:, -1].clone()
+        cursor = total.sub_(inc)
+        start = cursor.view(-1).index_select(0, layout.flat)
+        block_start = None
     anchored = list(design.anchored)
     num_rows = local.shape[0]
     # Designs with one id broadcast to every row (1-D ids: V2PE, CCA, PyPE...) place one row and copy it.
@@ -468,7 +483,9 @@ def assemble_positions(
     if values.numel():
         if design.block_top is not None and all(anchored[r] for r in design.delta_rows):
             # Per block: start + max(local) + 1, which is the maximum of start + local + 1 (rounding is monotonic).
-            top = cursor.view(-1).index_select(0, layout.block_first_flat) + cast(design.block_top) + 1
+            if block_start is None:
+                block_start = cursor.view(-1).index_select(0, layout.block_first_flat)
+            top = block_start + cast(design.block_top) + 1
             next_position = next_position.scatter_reduce(0, layout.block_sample, top, reduce="amax")
         else:
             if one_row:
@@ -484,7 +501,10 @@ def assemble_positions(
     # then copied to the other rows: the (R, B, L) output is written once.
     positions = torch.empty(num_rows, batch_size * seq_len, dtype=dtype, device=valid.device)
     first = positions[0]
-    torch.where(valid.view(-1), cursor.view(-1), cursor.new_full((), pad), out=first)
+    if cursor.dtype == dtype:
+        torch.where(valid.view(-1), cursor.view(-1), cursor.new_full((), pad), out=first)
+    else:  # an int32 cursor
+        first.copy_(torch.where(valid.view(-1), cursor.view(-1), cursor.new_full((), pad)))
     if one_row:
         first.index_copy_(0, layout.flat, values)
         positions[1:] = first
