@@ -1,28 +1,83 @@
-"""bench/multimodal_ids.py: a small run checks both functions agree, prints its timings and writes the same table."""
+"""bench/multimodal_ids.py: a quick run checks visionpe against transformers and every design against its per-sample
+loop, prints its timings and writes both tables; the mixed batches have what they claim."""
 
 import csv
 
 import pytest
+import torch
+
+from visionpe.multimodal import list_multimodal_schemes
 
 from .scripts import load_script
 
 pytest.importorskip("transformers")
 
 
-def test_small_run_writes_its_table(monkeypatch, capsys, tmp_path):
+def _table(path):
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+def test_quick_run_writes_both_tables(monkeypatch, capsys, tmp_path):
     bench = load_script("bench/multimodal_ids.py")
-    args = "--batch 2 --tokens 300 --rounds 1 --calls 1"
-    monkeypatch.setattr("sys.argv", ["bench/multimodal_ids.py", *args.split(), "--out", str(tmp_path)])
+    monkeypatch.setattr("sys.argv", ["bench/multimodal_ids.py", "--quick", "--out", str(tmp_path)])
     bench.main()
     out = capsys.readouterr().out
     assert "identical output: True" in out
     md = (tmp_path / "multimodal_ids.md").read_text()
-    assert md.startswith("Measured ") and f"`python bench/multimodal_ids.py {args} --out .../" in md
-    assert "identical ids and deltas from both: True" in md
-    with open(tmp_path / "multimodal_ids.csv", newline="") as f:
-        table = list(csv.reader(f))
-    assert table[0] == ["function", "wall min ms", "wall median ms", "cpu min ms", "cpu median ms"]
-    assert [row[0].split(" ")[0] for row in table[1:]] == ["transformers", "visionpe", "speed-up"]
-    printed = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("  ")}
-    assert table[1][1:] == printed["transformers"] and table[2][1:] == printed["visionpe"]
-    assert all(float(value) > 0 for row in table[1:] for value in row[1:])
+    assert md.startswith("Measured ") and "`python bench/multimodal_ids.py --quick --out .../" in md
+    assert "identical ids and deltas from both on every batch" in md and "process CPU time" in md
+    table = _table(tmp_path / "multimodal_ids.csv")
+    assert table[0] == bench.ID_COLUMNS
+    assert [row[0] for row in table[1:]] == ["fixed", "mixed-0", "mixed-1", "mixed, overall"]
+    printed = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ")}
+    for row in table[1:3]:
+        assert printed[row[0]][4:6] == row[4:6]  # the same ms printed and written
+    for row in table[1:]:
+        assert all(float(value) > 0 for value in row[4:7])
+    overall = table[-1]
+    assert float(overall[6]) == pytest.approx(float(overall[4]) / float(overall[5]), abs=0.06)
+
+    designs = _table(tmp_path / "multimodal_ids_designs.csv")
+    assert designs[0] == bench.DESIGN_COLUMNS
+    assert [row[0] for row in designs[1:]] == list_multimodal_schemes()
+    for row in designs[1:]:
+        assert all(float(value) > 0 for value in row[2:7])
+        assert row[7] == "identical" or row[7].startswith("within ")
+    options = {row[0]: row[1] for row in designs[1:]}
+    assert "interval=2" in options["pype"] and "clusters" in options["ppe"] and "input_ids" in options["bipe"]
+    assert "tile_grid" in options["rope_dhr"]
+    assert (tmp_path / "multimodal_ids_designs.md").read_text().startswith("Measured ")
+
+
+def test_mixed_batches_mix_images_and_padding_sides():
+    bench = load_script("bench/multimodal_ids.py")
+    batch = bench.make_mixed_batch(16, seed=0)
+    assert batch.types.shape[0] == 16 and sum(batch.images_per_sample) == len(batch.grids)
+    assert set(batch.images_per_sample) <= {0, 1, 2, 3} and len(set(batch.images_per_sample)) > 1
+    assert ((batch.grids[:, 1:] >= 16) & (batch.grids[:, 1:] <= 46) & (batch.grids[:, 1:] % 2 == 0)).all()
+    lengths = batch.mask.sum(1)
+    shorter = lengths < batch.types.shape[1]
+    assert (batch.mask[0::2, -1] == 1).all() and (batch.mask[1::2, 0] == 1).all()  # left, then right padded
+    assert shorter[0::2].any() and shorter[1::2].any()
+    for b in range(16):  # each sample alone holds exactly its own images' tokens
+        types, keep, rows = batch.sample(b)
+        assert int(keep.sum()) == types.shape[1]
+        assert int((types == 1).sum()) == int((batch.grids[rows].prod(1) // 4).sum())
+
+
+def test_disagreement_stops_before_timing(monkeypatch):
+    bench = load_script("bench/multimodal_ids.py")
+    batch = bench.make_mixed_batch(4, seed=0, side=(16, 20), text=(8, 16))
+    real = bench.get_position_ids
+
+    def off_by_one(*args, **kwargs):
+        pos, delta = real(*args, **kwargs)
+        return pos + (args[1].shape[0] == 1), delta  # a sample alone (B = 1) gets shifted ids
+
+    monkeypatch.setattr(bench, "get_position_ids", off_by_one)
+    with pytest.raises(SystemExit, match="alone differs from the batch"):
+        bench.compare_with_loop("mrope", batch, rounds=1, calls=1)
+    monkeypatch.setattr(bench, "get_position_ids", lambda *a, **k: (torch.zeros(3, 4, 1), torch.zeros(4, 1)))
+    with pytest.raises(SystemExit, match="disagree"):
+        bench.compare_with_transformers(batch, rounds=1, calls=1)
