@@ -1,0 +1,249 @@
+"""The scenes benchmark: rendering, labels, determinism, argument checks, the tasks' claims and the quick mode."""
+
+import csv
+import dataclasses
+import math
+from pathlib import Path
+
+import lightning
+import pytest
+import timm
+import torch
+
+import visionpe  # noqa: F401  (registers the visionpe models)
+from experiments.scenes import (
+    CELLS,
+    KINDS,
+    TASKS,
+    Scenes,
+    ScenesDataModule,
+    render,
+    sample_scenes,
+    scene_batch,
+    scene_labels,
+)
+
+from ..scripts import load_script
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs" / "scenes" / "scenes.yaml")
+
+
+def _one_object(shape: int, centre=(0.375, 0.625), radius=0.08, field=1.0, colour=-1, grey=1.0) -> Scenes:
+    """A scene holding one object (role target) in the cell of ``centre``."""
+    g = round(field * CELLS)
+    n = (1, g, g)
+    scenes = Scenes(
+        field,
+        torch.zeros(n, dtype=torch.bool),
+        torch.zeros(n, dtype=torch.long),
+        torch.full(n, shape),
+        torch.full(n, colour),
+        torch.full(n, grey),
+        torch.zeros(*n, 2),
+        torch.full(n, radius),
+    )
+    row, col = int(centre[1] * CELLS), int(centre[0] * CELLS)
+    scenes.occupied[0, row, col] = True
+    scenes.role[0, row, col] = 1
+    scenes.centre[0, row, col] = torch.tensor(centre)
+    return scenes
+
+
+def _generator(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+# --- rendering ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("px", [32, 128])
+def test_coverage_sums_to_the_shape_area(px):
+    # white objects: each channel's sum is the covered area in px^2; squares are exact box-filtered coverage
+    r = 0.08 * px
+    areas = {0: math.pi * r * r, 1: (2 * 0.85 * r) ** 2, 2: 2 * r * r}
+    tolerance = {0: 0.02, 1: 1e-5, 2: 0.06 if px == 32 else 0.01}
+    for shape, area in areas.items():
+        image = render(_one_object(shape, centre=(0.37, 0.61)), px)
+        assert image.min() >= 0 and image.max() <= 1
+        assert image[0, 0].sum().item() == pytest.approx(area, rel=tolerance[shape])
+        edge = image[0, 0][(image[0, 0] > 0) & (image[0, 0] < 1)]
+        assert edge.numel() > 0  # anti-aliased: partly covered pixels along the edge
+
+
+def test_zoom_renders_the_same_scene():
+    scenes, _ = sample_scenes("region", 16, _generator())
+    small, large = render(scenes, 32), render(scenes, 128)
+    pooled = torch.nn.functional.avg_pool2d(large, 4)  # box filtered: about the coverage at 32 px
+    assert (pooled - small).abs().mean() < 5e-3 and (pooled - small).abs().max() < 0.35  # at diamonds' vertices
+    squares = dataclasses.replace(scenes, shape=torch.ones_like(scenes.shape))  # exact box-filtered coverage
+    assert torch.allclose(torch.nn.functional.avg_pool2d(render(squares, 128), 4), render(squares, 32), atol=1e-5)
+    # the data's zoom sets: every size renders the scenes of the training-size set
+    dm = ScenesDataModule("relative", eval_sizes=(32, 64), batch_size=8, eval_samples=8, patch_size=4)
+    x32, y32 = next(iter(dm.eval_dataloader(32, "zoom")))
+    x64, y64 = next(iter(dm.eval_dataloader(64, "zoom")))
+    assert torch.equal(y32, y64) and (torch.nn.functional.avg_pool2d(x64, 2) - x32).abs().mean() < 0.01
+
+
+def test_canvas_keeps_the_object_pixel_size():
+    one = render(_one_object(2, centre=(0.37, 0.61)), 32)
+    far = render(_one_object(2, centre=(1.37, 1.61), field=4.0), 32)  # the same object in a 4x wider field
+    assert far.shape == (1, 3, 128, 128)
+    assert torch.allclose(far[..., 32:64, 32:64], one, atol=1e-5) and far.sum() == pytest.approx(one.sum().item())
+    for task in TASKS:
+        scenes, images, _ = scene_batch(task, 8, _generator(), 96, img_size=32, kind="canvas")
+        assert scenes.field == 3.0 and scenes.cells == 3 * CELLS and images.shape == (8, 3, 96, 96)
+        assert 0.055 <= scenes.radius.min() and scenes.radius.max() <= 0.085  # units: the training pixel size
+
+
+# --- labels and determinism -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field", [1.0, 1.5, 4.0])
+def test_labels_are_read_off_the_descriptions(field):
+    for task in TASKS:
+        scenes, labels = sample_scenes(task, 64, _generator(3), field=field)
+        assert torch.equal(scene_labels(scenes, task), labels), task
+        assert set(labels.tolist()) <= {0, 1, 2, 3}
+    # hand-made descriptions
+    target = _one_object(0, centre=(0.8, 0.3), colour=3)
+    assert scene_labels(target, "region").item() == 1 and scene_labels(target, "colour").item() == 3
+    assert scene_labels(target, "count").item() == 0
+    pair = _one_object(0, centre=(0.62, 0.88))
+    pair.occupied[0, 3, 0], pair.role[0, 3, 0] = True, 2  # B at the left end of the bottom row
+    pair.centre[0, 3, 0] = torch.tensor([0.12, 0.86])
+    assert scene_labels(pair, "relative").item() == 1  # A right of B
+    pair.role[0, 3, 0] = 0  # now a grey distractor in the target's row
+    assert scene_labels(pair, "count").item() == 1 and scene_labels(pair, "region").item() == 3
+
+
+def test_batches_are_determined_by_the_seed():
+    def first_batches(seed, workers=0):
+        dm = ScenesDataModule("count", batch_size=8, steps_per_epoch=3, num_workers=workers, seed=seed)
+        loader = dm.train_dataloader()
+        loader.sampler.set_epoch(1)
+        return [b for b in loader], next(iter(dm.eval_dataloader(64, "canvas")))
+
+    (train, evaluation), (again, evaluation_again) = first_batches(0), first_batches(0, workers=1)
+    for (x, y), (x2, y2) in zip([*train, evaluation], [*again, evaluation_again], strict=True):
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert not torch.equal(train[0][0], train[1][0])  # fresh scenes every step
+    other, _ = first_batches(1)
+    assert not torch.equal(train[0][0], other[0][0])
+    dm = ScenesDataModule("count", batch_size=8, steps_per_epoch=3)
+    assert not torch.equal(next(iter(dm.train_dataloader()))[0], train[0][0])  # epoch 0 differs from epoch 1
+
+
+# --- bad input ------------------------------------------------------------------------------------------------------
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="task must be one of"):
+        ScenesDataModule("parity")
+    with pytest.raises(ValueError, match="task must be one of"):
+        sample_scenes("parity", 2, _generator())
+    with pytest.raises(ValueError, match="multiple of the patch size 4, got 50"):
+        ScenesDataModule("colour", eval_sizes=(32, 50), patch_size=4)
+    with pytest.raises(ValueError, match="eval_sizes must not repeat a size"):
+        ScenesDataModule("colour", eval_sizes=(32, 64, 32))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        ScenesDataModule("colour").eval_dataloader(64, "crop")
+    with pytest.raises(ValueError, match="even number of lattice cells"):
+        ScenesDataModule("region", eval_sizes=(40,), img_size=32)
+    with pytest.raises(ValueError, match="px_per_unit must be a multiple of 4"):
+        render(_one_object(0), 30)
+
+
+def test_the_command_checks_its_arguments_before_training(monkeypatch, tmp_path):
+    script = load_script("train/scenes.py")
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained before the arguments were checked")
+
+    monkeypatch.setattr(script, "train_from_config", no_training)
+    base = ["--config", CONFIG, "--schemes", "none", "--references", "--out", str(tmp_path)]
+    for extra, message in [
+        (["--tasks", "region", "parity"], "task must be one of"),
+        (["--tasks", "count", "count"], "tasks must not repeat"),
+        (["--seeds", "0", "0"], "seeds must not repeat"),
+        (["--scales", "1", "2", "2"], "scales must not repeat"),
+        (["--scales", "1", "1.0625"], "multiple of the patch size 4"),
+        (["--scales", "1", "1.01"], "whole pixels"),
+        (["--kinds", "zoom", "crop"], "kinds must be in"),
+        (["--extrapolation", "none", "ntk"], "accepted by none"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            script.main([*base, *extra])
+
+
+# --- the tasks are what they claim ----------------------------------------------------------------------------------
+
+
+def _model(pos_embed, **kwargs):
+    options = dict(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, global_pool="avg")
+    options.update(class_token=False, init_values=1.0, dynamic_img_size=True, num_classes=4)
+    return timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=pos_embed, **{**options, **kwargs})
+
+
+def test_nope_is_exactly_at_chance_on_region():
+    torch.manual_seed(0)
+    model = _model("none").eval()
+    dm = ScenesDataModule("region", eval_sizes=(32, 64), batch_size=16, eval_samples=32, patch_size=4)
+    for size, kind in [(32, "zoom"), (64, "zoom"), (64, "canvas")]:
+        x, y = next(iter(dm.eval_dataloader(size, kind)))
+        with torch.no_grad():
+            logits = model(x)
+        orbits = logits.view(-1, 4, 4)  # each scene with its target in the four quadrants
+        assert torch.allclose(orbits, orbits[:, :1].expand_as(orbits), atol=1e-5)
+        assert sorted(y.view(-1, 4)[0].tolist()) == [0, 1, 2, 3]
+        # a patch-permutation-invariant model: the same logits for any shuffle of the patches
+        grid = size // 4
+        patches = x.unfold(2, 4, 4).unfold(3, 4, 4).reshape(len(x), 3, grid * grid, 4, 4)
+        shuffled = patches[:, :, torch.randperm(grid * grid)].reshape(len(x), 3, grid, grid, 4, 4)
+        shuffled = shuffled.permute(0, 1, 2, 4, 3, 5).reshape_as(x)
+        with torch.no_grad():
+            assert torch.allclose(model(shuffled), logits, atol=1e-5)
+    # so on whole orbits its accuracy is exactly chance
+    assert (logits.argmax(-1) == y).float().mean().item() == 0.25
+
+
+def test_nope_learns_the_control_task():
+    torch.manual_seed(0)
+    model = _model("none", depth=1)
+    dm = ScenesDataModule("colour", batch_size=32, steps_per_epoch=80, val_samples=256)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for x, y in dm.train_dataloader():
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        right = sum(int((model(x).argmax(-1) == y).sum()) for x, y in dm.val_dataloader())
+    # a short run: well above chance (25 %; 5 standard errors at 256 scenes), without any position
+    assert right / dm.val_samples >= 0.4
+
+
+# --- the command --------------------------------------------------------------------------------------------------
+
+
+def test_quick_mode_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = load_script("train/scenes.py")
+    args = ["--config", CONFIG, "--quick", "--out", str(tmp_path / "out")]
+    paths = script.main(args)
+    rows = list(csv.DictReader(paths["csv"].open()))
+    assert {r["task"] for r in rows} == set(TASKS) and {r["kind"] for r in rows} == set(KINDS)
+    assert {(r["model"], r["mode"]) for r in rows} == {("none", "none"), ("rope_axial", "none"), ("rope_axial", "ntk")}
+    assert {float(r["scale"]) for r in rows} == {1.0, 2.0} and {int(r["size"]) for r in rows} == {32, 64}
+    assert all(float(r["acc"]) == 25.0 for r in rows if r["model"] == "none" and r["task"] == "region")
+    assert paths["png"].stat().st_size > 10_000 and "## region, canvas" in paths["md"].read_text()
+
+    # --reuse: nothing is trained or evaluated again; --results writes the documented files with their header
+    monkeypatch.setattr(lightning.pytorch.Trainer, "fit", lambda *a, **k: pytest.fail("trained again"))
+    monkeypatch.setattr(script, "evaluate", lambda *a, **k: pytest.fail("evaluated again"))
+    again = script.main([*args, "--reuse", "--results", str(tmp_path / "docs")])
+    assert list(csv.DictReader(again["csv"].open())) == rows
+    first = again["results_md"].read_text().splitlines()[0]
+    assert first.startswith("Measured ") and "command: `python train/scenes.py --config" in first
+    assert again["results_png"].name == "scenes.png" and again["results_csv"].name == "scenes.csv"

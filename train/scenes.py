@@ -1,0 +1,511 @@
+r"""The scenes benchmark: every scheme trained on each task of procedural scenes, evaluated beyond the training size.
+
+The whole benchmark (every registered visionpe scheme and timm's three reference models, every task, 3 seeds, zoom
+and canvas at 1, 1.5, 2, 3 and 4 times the training side, every extrapolation mode a model accepts):
+
+    python train/scenes.py --config configs/scenes/scenes.yaml --results docs/benchmarks/results
+
+A check of the whole pipeline in a few minutes or less (NoPE and RoPE-Axial, a small model, a few steps, 2 sizes):
+
+    python train/scenes.py --config configs/scenes/scenes.yaml --quick
+
+Each (task, scheme, seed) is trained by Lightning exactly as ``train/classify.py fit --config CONFIG`` would with
+``--data.init_args.task=<task>`` (see ``train/experiments/scenes.py`` for the tasks), then evaluated on the fixed
+evaluation sets of every kind (``zoom``: the same scenes with more pixels; ``canvas``: a larger field at the
+training pixel size) and scale, under every mode of ``--extrapolation`` the model accepts
+(``visionpe.set_extrapolation``, no retraining). Everything that can be checked before training is checked first:
+unknown tasks, kinds or modes, repeated values, sizes that are not whole pixels, not a multiple of the patch, or
+that a model refuses.
+
+Output under ``--out``: ``results.csv`` (one row per task, kind, model, mode, seed and scale), ``results.md`` (a
+table per task and kind, mean ± std over seeds), ``results.png`` (accuracy against size in units of the training
+size, one panel per task and kind, a colour per model and a line style per mode, error bars: std over seeds), and
+per run ``<task>/<model>/seed<k>/`` with ``final.ckpt``, its logs and ``eval.csv``. ``--reuse`` continues an
+interrupted run: finished trainings and evaluations are loaded, the rest is done. ``--results DIR`` also writes
+``DIR/<name>.md``, ``.csv`` and ``.png`` (name: ``--results-name``, default ``scenes``), headed by the date, commit,
+versions, device and command (``bench/results.py``). Importable: ``from scenes import main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import math
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import yaml
+
+import visionpe
+from experiments.cli import run_cli
+from experiments.scenes import KINDS, TASKS, check_task
+from experiments.sweep import (
+    FINAL_CHECKPOINT,
+    REFERENCE_MODELS,
+    _check_distinct,
+    _format_seconds,
+    _probe,
+    _scalable,
+    _trained_line,
+    accepts_extrapolation,
+    quiet_lightning,
+    reference_args,
+    train_from_config,
+)
+from visionpe.rotary.scaling import EXTRAPOLATION_MODES, set_extrapolation
+from visionpe.training.evaluate import accuracy
+
+ROOT = Path(__file__).resolve().parents[1]
+SCALES = (1.0, 1.5, 2.0, 3.0, 4.0)
+FIELDS = ["task", "kind", "model", "mode", "seed", "scale", "size", "acc", "n"]
+
+# --quick: a check of the pipeline, not a measurement (the model does not converge in 10 steps)
+QUICK = {
+    "schemes": ["none", "rope_axial"],
+    "references": [],
+    "seeds": [0],
+    "scales": [1.0, 2.0],
+    "extrapolation": ["none", "ntk"],
+    "model_kwargs": {"embed_dim": 32, "depth": 2, "num_heads": 2},
+    "overrides": [
+        "--trainer.max_epochs=1",
+        "--trainer.limit_val_batches=1",
+        "--trainer.enable_progress_bar=false",
+        "--data.init_args.steps_per_epoch=10",
+        "--data.init_args.batch_size=32",
+        "--data.init_args.val_samples=32",
+        "--data.init_args.eval_samples=96",
+        "--data.init_args.eval_batch_size=96",
+        "--model.warmup_epochs=0.2",
+    ],
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="configs/scenes/scenes.yaml", help="training config (LightningCLI YAML)")
+    parser.add_argument("--schemes", nargs="*", default=None, help="visionpe schemes (default: every registered one)")
+    parser.add_argument(
+        "--references",
+        nargs="*",
+        default=None,
+        help=f"timm models trained alike (default: all of {sorted(REFERENCE_MODELS)})",
+    )
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), help=f"tasks (default: all of {TASKS})")
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), help="zoom, canvas or both (default)")
+    parser.add_argument(
+        "--scales", nargs="+", type=float, default=None, help="test sides in units of the training side (1 1.5 2 3 4)"
+    )
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="seeds (default 0 1 2)")
+    parser.add_argument(
+        "--extrapolation", nargs="+", default=None, help=f"modes (default: all of {EXTRAPOLATION_MODES})"
+    )
+    parser.add_argument(
+        "--override", nargs="*", default=[], help="LightningCLI arguments for every run, without leading dashes"
+    )
+    parser.add_argument("--out", default=None, help="output folder (default runs/scenes, runs/scenes_quick)")
+    parser.add_argument("--reuse", action="store_true", help="load finished trainings and evaluations under --out")
+    parser.add_argument("--quick", action="store_true", help="a check of the pipeline: 2 schemes, short runs, 2 sizes")
+    parser.add_argument("--results", default=None, help="also write <results>/<name>.md, .csv and .png")
+    parser.add_argument("--results-name", default="scenes", help="file name for --results")
+    parser.add_argument("--verbose", action="store_true", help="keep Lightning's messages and model summaries")
+    return parser.parse_args(argv)
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    """The runs' settings: the quick ones under ``--quick``, the defaults otherwise; explicit arguments win."""
+    quick = QUICK if args.quick else {}
+
+    def pick(name, default):
+        value = getattr(args, name)
+        return value if value is not None else quick.get(name, default)
+
+    overrides = list(quick.get("overrides", []))
+    if args.quick:
+        with open(args.config) as f:
+            model_kwargs = dict(yaml.safe_load(f)["model"].get("model_kwargs") or {})
+        model_kwargs.update(QUICK["model_kwargs"])
+        overrides.append(f"--model.model_kwargs={yaml.safe_dump(model_kwargs, default_flow_style=True).strip()}")
+    overrides += [a if a.startswith("--") else f"--{a}" for a in args.override]
+    return {
+        "schemes": pick("schemes", visionpe.list_schemes()),
+        "references": pick("references", sorted(REFERENCE_MODELS)),
+        "seeds": pick("seeds", [0, 1, 2]),
+        "scales": pick("scales", list(SCALES)),
+        "extrapolation": pick("extrapolation", list(EXTRAPOLATION_MODES)),
+        "overrides": overrides,
+        "out": Path(args.out or ("runs/scenes_quick" if args.quick else "runs/scenes")),
+    }
+
+
+def _sizes(scales: Sequence[float], img_size: int) -> list[int]:
+    """The test sides in px; a ValueError for a scale that does not give whole pixels."""
+    sizes = []
+    for scale in scales:
+        if not math.isfinite(scale) or scale < 1:
+            raise ValueError(f"scales must be numbers >= 1 (units of the training side), got {scale}")
+        size = scale * img_size
+        if not math.isclose(size, round(size), abs_tol=1e-9):
+            raise ValueError(f"scales must give whole pixels: {scale} x {img_size} px = {size} px")
+        sizes.append(round(size))
+    return sizes
+
+
+def check_arguments(config: str | Path, settings: dict, tasks: Sequence[str], kinds: Sequence[str]) -> dict:
+    """Check everything that can be checked before training; return the runs, data modules and sizes.
+
+    ValueError for: a missing config, an unknown task, kind, reference or extrapolation mode, a repeated scheme,
+    reference, task, kind, seed, scale or mode, a scale that gives no whole pixels, a size the data refuses (not a
+    multiple of the patch, no whole lattice cells) or a model refuses, a mode that no model accepts.
+    """
+    if not Path(config).is_file():
+        raise ValueError(f"config must be an existing YAML file, got {str(config)!r}")
+    for task in tasks:
+        check_task(task)
+    bad_kinds = [k for k in kinds if k not in KINDS]
+    if bad_kinds:
+        raise ValueError(f"kinds must be in {KINDS}, got {bad_kinds}")
+    unknown = [r for r in settings["references"] if r not in REFERENCE_MODELS]
+    if unknown:
+        raise ValueError(f"references must be in {sorted(REFERENCE_MODELS)}, got {unknown}")
+    bad_modes = [m for m in settings["extrapolation"] if m not in EXTRAPOLATION_MODES]
+    if bad_modes:
+        raise ValueError(f"extrapolation modes must be in {EXTRAPOLATION_MODES}, got {bad_modes}")
+    for name, values in (
+        ("schemes", settings["schemes"]),
+        ("references", settings["references"]),
+        ("tasks", tasks),
+        ("kinds", kinds),
+        ("seeds", settings["seeds"]),
+        ("scales", settings["scales"]),
+        ("extrapolation", settings["extrapolation"]),
+    ):
+        _check_distinct(name, values)
+    for seed in settings["seeds"]:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seeds must be ints >= 0, got {seed!r}")
+    runs = [(name, [f"--model.pos_embed={name}"]) for name in settings["schemes"]]
+    runs += [(REFERENCE_MODELS[r][0], reference_args(r)) for r in settings["references"]]
+    if not runs:
+        raise ValueError("give at least one scheme or reference model")
+
+    common = settings["overrides"]
+    data = {}
+    for task in tasks:
+        datamodule = run_cli(args=["--config", str(config), f"--data.init_args.task={task}", *common], run=False)
+        data[task] = datamodule.datamodule
+    first = data[tasks[0]]
+    sizes = _sizes(settings["scales"], first.img_size)
+    _check_distinct("sizes", sizes)
+    for task, datamodule in data.items():
+        for size in sizes:
+            for kind in kinds:
+                try:
+                    datamodule.check_size(size, kind)
+                except ValueError as err:
+                    raise ValueError(
+                        f"scale {size / first.img_size:g} ({size} px) does not work for {task}: {err}"
+                    ) from err
+    # every model at every size (random weights): an option a scheme does not take, or a size it refuses, fails now
+    samples = {size: next(iter(first.eval_dataloader(size, kinds[-1])))[0][:1] for size in sizes}
+    models = []
+    for label, run_args in runs:
+        cli = run_cli(
+            args=["--config", str(config), *run_args, f"--data.init_args.task={tasks[0]}", *common], run=False
+        )
+        _probe(cli.model, samples, label)
+        models.append((label, cli.model))
+    for mode in settings["extrapolation"]:
+        if not any(accepts_extrapolation(model.model, mode) for _, model in models):
+            raise ValueError(f"extrapolation mode {mode!r} is accepted by none of {[label for label, _ in models]}")
+    return {"runs": runs, "sizes": sizes, "img_size": first.img_size}
+
+
+def _read_rows(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return [
+            {
+                **row,
+                "seed": int(row["seed"]),
+                "scale": float(row["scale"]),
+                "size": int(row["size"]),
+                "acc": float(row["acc"]),
+                "n": int(row["n"]),
+            }
+            for row in csv.DictReader(f)
+        ]
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows({k: row[k] for k in FIELDS} for row in rows)
+
+
+def evaluate(model, datamodule, task, label, seed, kinds, sizes, modes, device) -> list[dict]:
+    """Rows of ``model`` on every evaluation set (kind x size) under every mode it accepts (then back to none)."""
+    rows = []
+    accepted = [m for m in modes if accepts_extrapolation(model.model, m)]
+    rotary = bool(_scalable(model.model))
+    for kind in kinds:
+        for size in sizes:
+            loader = datamodule.eval_dataloader(size, kind)
+            for mode in accepted:
+                if rotary:
+                    set_extrapolation(model.model, mode)
+                acc = accuracy(model, loader, device)
+                rows.append(
+                    {
+                        "task": task,
+                        "kind": kind,
+                        "model": label,
+                        "mode": mode,
+                        "seed": seed,
+                        "scale": size / datamodule.img_size,
+                        "size": size,
+                        "acc": acc,
+                        "n": datamodule.eval_samples,
+                    }
+                )
+    if rotary:
+        set_extrapolation(model.model, "none")
+    return rows
+
+
+def _summary(rows: list[dict]) -> dict[tuple, tuple[float, float, int]]:
+    """{(task, kind, model, mode, scale): (mean, std, seeds)} of the accuracy over seeds."""
+    grouped: dict[tuple, list[float]] = {}
+    for row in rows:
+        key = (row["task"], row["kind"], row["model"], row["mode"], float(row["scale"]))
+        grouped.setdefault(key, []).append(float(row["acc"]))
+    return {k: (statistics.fmean(v), statistics.stdev(v) if len(v) > 1 else 0.0, len(v)) for k, v in grouped.items()}
+
+
+def _ordered(rows: list[dict], field: str) -> list:
+    return list(dict.fromkeys(row[field] for row in rows))
+
+
+def _row_label(model: str, mode: str) -> str:
+    return model if mode == "none" else f"{model} [{mode}]"
+
+
+def table_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
+    """(columns, cells) of the results table: one row per task, kind, model and mode, one column per scale."""
+    summary = _summary(rows)
+    scales = sorted({float(r["scale"]) for r in rows})
+    columns = ["task", "kind", "model"] + [f"{s:g}x" for s in scales]
+    body = []
+    for task in _ordered(rows, "task"):
+        for kind in _ordered(rows, "kind"):
+            for mode in _ordered(rows, "mode"):
+                for model in _ordered(rows, "model"):
+                    cells = [summary.get((task, kind, model, mode, s)) for s in scales]
+                    if all(c is None for c in cells):
+                        continue
+                    text = [
+                        "" if c is None else (f"{c[0]:.1f} ± {c[1]:.1f}" if c[2] > 1 else f"{c[0]:.1f}") for c in cells
+                    ]
+                    body.append([task, kind, _row_label(model, mode), *text])
+    return columns, body
+
+
+def markdown(rows: list[dict], title: str, img_size: int) -> str:
+    seeds = sorted({int(r["seed"]) for r in rows})
+    over = f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    samples = sorted({int(r["n"]) for r in rows})
+    lines = [
+        f"# {title}",
+        "",
+        f"Top-1 accuracy (%), {over}, on {'/'.join(map(str, samples))} scenes per task, kind, size and seed; columns: "
+        f"test side in units of the training side ({img_size} px). Chance: 25 %. `[mode]`: the same weights "
+        "evaluated with that extrapolation mode.",
+    ]
+    columns, body = table_rows(rows)
+    for task in _ordered(rows, "task"):
+        for kind in _ordered(rows, "kind"):
+            lines += ["", f"## {task}, {kind}", "", "| model | " + " | ".join(columns[3:]) + " |"]
+            lines.append("|---" * (len(columns) - 2) + "|")
+            lines += ["| " + " | ".join(cells[2:]) + " |" for cells in body if cells[:2] == [task, kind]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """One panel per task (rows) and kind (columns): accuracy against scale, a colour per model, a line style per
+    mode, error bars (std over seeds), chance as a dotted line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = _summary(rows)
+    tasks, kinds, models, modes = (_ordered(rows, f) for f in ("task", "kind", "model", "mode"))
+    cmap = plt.get_cmap("tab20" if len(models) > 10 else "tab10")
+    colours = {m: cmap(i % cmap.N) for i, m in enumerate(models)}
+    styles = dict(zip(modes, ["-", "--", ":", "-.", (0, (5, 1, 1, 1))], strict=False))
+    fig, axes = plt.subplots(len(tasks), len(kinds), figsize=(5.2 * len(kinds), 3.4 * len(tasks)), squeeze=False)
+    for i, task in enumerate(tasks):
+        for j, kind in enumerate(kinds):
+            ax = axes[i][j]
+            for model in models:
+                for mode in modes:
+                    points = sorted((k[4], v) for k, v in summary.items() if k[:4] == (task, kind, model, mode))
+                    if not points:
+                        continue
+                    xs = [p[0] for p in points]
+                    ax.errorbar(
+                        xs,
+                        [p[1][0] for p in points],
+                        yerr=[p[1][1] for p in points],
+                        color=colours[model],
+                        linestyle=styles.get(mode, "-"),
+                        marker="o",
+                        markersize=3,
+                        capsize=2,
+                        linewidth=1.2,
+                    )
+            ax.axhline(25.0, color="grey", linestyle=":", linewidth=0.8)
+            ax.set_title(f"{task}, {kind}", fontsize=10)
+            ax.set_xlabel("test side / training side")
+            ax.set_ylabel("top-1 accuracy (%)")
+            ax.set_ylim(0, 102)
+            ax.grid(alpha=0.3)
+    handles = [plt.Line2D([], [], color=colours[m], marker="o", label=m) for m in models]
+    handles += [plt.Line2D([], [], color="black", linestyle=styles.get(m, "-"), label=f"mode: {m}") for m in modes]
+    fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def write_report(rows: list[dict], out: Path, title: str, img_size: int) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"md": out / "results.md", "csv": out / "results.csv", "png": out / "results.png"}
+    _write_rows(paths["csv"], rows)
+    paths["md"].write_text(markdown(rows, title, img_size))
+    plot(rows, paths["png"], title)
+    return paths
+
+
+def write_results_table(paths, rows, config, out_dir, name, command, img_size) -> tuple[Path, Path, Path]:
+    """The table as ``<out_dir>/<name>.md`` and ``.csv`` through the benchmarks' shared writer (headed by the date,
+    commit, versions, device and command), and the plot as ``<name>.png``."""
+    sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repository, next to train/
+    try:
+        from bench.results import write_results
+    finally:
+        sys.path.remove(str(ROOT))
+    columns, body = table_rows(rows)
+    seeds = sorted({int(r["seed"]) for r in rows})
+    over = f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    notes = [
+        f"Top-1 accuracy (%), {over}; config `{Path(config).as_posix()}`; columns: test side in units of the training "
+        f"side ({img_size} px); chance 25 %; {'/'.join(str(n) for n in sorted({r['n'] for r in rows}))} scenes per "
+        "task, kind, size and seed.",
+        "`[mode]`: the same weights evaluated with that extrapolation mode (`pi`: position interpolation).",
+    ]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    md, csv_path = write_results(name, body, columns, out_dir=out_dir, command=command, notes=notes, device=device)
+    png = Path(out_dir) / f"{name}.png"
+    shutil.copyfile(paths["png"], png)
+    return md, csv_path, png
+
+
+def run(
+    config: str | Path,
+    settings: dict,
+    tasks: Sequence[str] = TASKS,
+    kinds: Sequence[str] = KINDS,
+    reuse: bool = False,
+    verbose: bool = False,
+) -> tuple[dict[str, Path], list[dict], int]:
+    """Train and evaluate every (task, model, seed); write the report under ``settings["out"]``."""
+    with contextlib.nullcontext() if verbose else quiet_lightning():
+        checked = check_arguments(config, settings, tasks, kinds)
+        runs, sizes, out = checked["runs"], checked["sizes"], settings["out"]
+        common = list(settings["overrides"])
+        if not verbose:
+            common = ["--trainer.enable_model_summary=false", *common]
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        total, done, rows = len(tasks) * len(runs) * len(settings["seeds"]), 0, []
+        print(
+            f"Training {len(runs)} model(s) x {len(tasks)} task(s) x {len(settings['seeds'])} seed(s) from {config}, "
+            f"then evaluating at {' '.join(map(str, sizes))} px ({' and '.join(kinds)}; extrapolation: "
+            f"{' '.join(settings['extrapolation'])}); output in {out}",
+            flush=True,
+        )
+        for task in tasks:
+            for seed in settings["seeds"]:
+                for label, run_args in runs:
+                    run_dir = out / task / label.replace(" ", "_") / f"seed{seed}"
+                    seed_args = [f"--seed_everything={seed}", f"--model.seed={seed}", f"--data.init_args.seed={seed}"]
+                    reused = run_dir / FINAL_CHECKPOINT if reuse and (run_dir / FINAL_CHECKPOINT).is_file() else None
+                    started = time.perf_counter()
+                    run_cmd = [*run_args, f"--data.init_args.task={task}", *seed_args, *common]
+                    model, datamodule = train_from_config(config, run_cmd, run_dir, reuse, not verbose)
+                    done += 1
+                    line = _trained_line(model, datamodule, started, reused)
+                    evaluated = run_dir / "eval.csv"
+                    wanted = {
+                        (k, s, m)
+                        for k in kinds
+                        for s in sizes
+                        for m in settings["extrapolation"]
+                        if accepts_extrapolation(model.model, m)
+                    }
+                    previous = _read_rows(evaluated) if reuse and evaluated.is_file() else []
+                    if (
+                        previous
+                        and {(r["kind"], r["size"], r["mode"]) for r in previous} >= wanted
+                        and all(r["n"] == datamodule.eval_samples for r in previous)
+                    ):
+                        found = [r for r in previous if (r["kind"], r["size"], r["mode"]) in wanted]
+                        line += ", evaluation loaded"
+                    else:
+                        started = time.perf_counter()
+                        found = evaluate(
+                            model, datamodule, task, label, seed, kinds, sizes, settings["extrapolation"], device
+                        )
+                        _write_rows(evaluated, found)
+                        line += f", evaluated in {_format_seconds(time.perf_counter() - started)}"
+                    for row in found:
+                        row["model"] = label
+                    rows += found
+                    at_1x = [r["acc"] for r in found if r["size"] == datamodule.img_size and r["mode"] == "none"]
+                    print(
+                        f"[{done}/{total}] {task}, {label}, seed {seed}: {line}; test at 1x {at_1x[0]:.1f} %",
+                        flush=True,
+                    )
+        title = "Scenes benchmark: extrapolation where position matters"
+        return write_report(rows, out, title, checked["img_size"]), rows, checked["img_size"]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Path]:
+    args = parse_args(argv)
+    settings = _settings(args)
+    paths, rows, img_size = run(args.config, settings, args.tasks, args.kinds, args.reuse, args.verbose)
+    print("\n" + paths["md"].read_text())
+    where = [("table", paths["md"]), ("per-seed rows (CSV)", paths["csv"]), ("plot", paths["png"])]
+    where.append(("checkpoints and logs", settings["out"] / "<task>" / "<model>" / "seed<k>"))
+    if args.results is not None:
+        command = sys.argv if argv is None else [__file__, *argv]
+        md, csv_path, png = write_results_table(
+            paths, rows, args.config, args.results, args.results_name, command, img_size
+        )
+        paths.update(results_md=md, results_csv=csv_path, results_png=png)
+        where += [("results table", md), ("results CSV", csv_path), ("results plot", png)]
+    width = max(len(label) for label, _ in where)
+    print("\n".join(f"{label + ':':<{width + 1}} {path}" for label, path in where))
+    return paths
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
