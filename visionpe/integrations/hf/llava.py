@@ -66,6 +66,9 @@ from .qwen import (
     _HFRotary,
     _scaled_section,
 )
+from .qwen import (
+    find_model as _find_model,
+)
 
 __all__ = ["apply_position_scheme", "remove_position_scheme", "SUPPORTED_MODELS", "OWN_SCHEME", "find_model"]
 
@@ -97,17 +100,7 @@ def outer_name(inner: str) -> str:
 def find_model(model: Any, table: dict[str, str] | None = None) -> tuple[nn.Module, str] | None:
     """(inner model, its class name) when ``model`` or ``model.model`` is an instance of a class of ``table``
     (``SUPPORTED_MODELS`` by default; classes missing from the installed transformers are skipped), else None."""
-    classes = {}
-    for name, module_name in (SUPPORTED_MODELS if table is None else table).items():
-        try:
-            classes[name] = getattr(importlib.import_module(module_name), name)
-        except (ImportError, AttributeError):
-            continue
-    for candidate in (model, getattr(model, "model", None)):
-        for name, cls in classes.items():
-            if isinstance(candidate, cls):
-                return candidate, name
-    return None
+    return _find_model(model, SUPPORTED_MODELS if table is None else table)
 
 
 def _inner_model(model: nn.Module) -> tuple[nn.Module, str]:

@@ -55,9 +55,11 @@ _ROTARY_OPTIONS = ("mrope_section",)
 _ALLOCATION_DEFAULTS = {"interleaved": (24, 20, 20), "chunked": (16, 24, 24), "lta": (16, 24, 24), "hope": (16, 24, 24)}
 
 
-def _inner_model(model: nn.Module) -> tuple[nn.Module, str]:
+def find_model(model: Any, table: dict[str, str]) -> tuple[nn.Module, str] | None:
+    """(inner model, its class name) when ``model`` or ``model.model`` is an instance of a class of ``table``
+    ({class name: transformers module}; classes missing from the installed transformers are skipped), else None."""
     classes = {}
-    for name, module_name in SUPPORTED_MODELS.items():
+    for name, module_name in table.items():
         try:
             classes[name] = getattr(importlib.import_module(module_name), name)
         except (ImportError, AttributeError):
@@ -66,8 +68,15 @@ def _inner_model(model: nn.Module) -> tuple[nn.Module, str]:
         for name, cls in classes.items():
             if isinstance(candidate, cls):
                 return candidate, name
-    supported = ", ".join(f"{n} (or its ForConditionalGeneration)" for n in classes)
-    raise TypeError(f"apply_position_scheme supports {supported}; got {type(model).__name__}")
+    return None
+
+
+def _inner_model(model: nn.Module) -> tuple[nn.Module, str]:
+    found = find_model(model, SUPPORTED_MODELS)
+    if found is None:
+        supported = ", ".join(f"{n} (or its ForConditionalGeneration)" for n in SUPPORTED_MODELS)
+        raise TypeError(f"apply_position_scheme supports {supported}; got {type(model).__name__}")
+    return found
 
 
 def _scaled_section(default: tuple[int, int, int], num_pairs: int, interleaved: bool = False) -> tuple[int, int, int]:
