@@ -143,7 +143,8 @@ def test_chunked_rows_and_pieces_equal_the_full_bias(prefix):
     with torch.no_grad():
         full = _bias(scheme, GRID, prefix)
         chunks = torch.cat([_bias(scheme, GRID, prefix, rows=slice(s, s + 4)) for s in range(0, n, 4)], 1)
-    torch.testing.assert_close(chunks, full, atol=0, rtol=0)
+    # to float rounding: the MLP's matmuls over fewer rows may take another kernel (another summation order)
+    torch.testing.assert_close(chunks, full, atol=1e-6, rtol=1e-6)
     # pieces of the hidden layer (3 rows each), checkpointed when autograd records them: the same bias and gradients
     weights = torch.randn(full.shape)
     (_bias(scheme, GRID, prefix) * weights).sum().backward()
@@ -151,7 +152,7 @@ def test_chunked_rows_and_pieces_equal_the_full_bias(prefix):
     scheme.zero_grad()
     scheme.hidden_chunk_bytes = 3 * 15 * 32 * 4  # rows x keys x width x fp32
     pieces = _bias(scheme, GRID, prefix)
-    torch.testing.assert_close(pieces, full, atol=0, rtol=0)
+    torch.testing.assert_close(pieces, full, atol=1e-6, rtol=1e-6)
     (pieces * weights).sum().backward()
     for name, p in scheme.named_parameters():
         torch.testing.assert_close(p.grad, grads[name], atol=1e-6, rtol=1e-5, msg=name)

@@ -515,7 +515,12 @@ class VisionPEViT(VisionTransformer):
         is_causal: bool,
         depth: torch.Tensor | None,
     ) -> tuple[torch.Tensor, MixedGrid] | None:
-        """(patches, layout) of a NaFlex batch (a dict, or patches with patch_coord and patch_valid), else None."""
+        """(patches, layout) of a NaFlex batch (a dict, or patches with patch_coord and patch_valid), else None.
+
+        Under torch.fx symbolic tracing every argument is a Proxy: the image path is traced and the NaFlex inputs
+        take their defaults, as the other optional inputs do (:meth:`_blocks`)."""
+        if isinstance(x, torch.fx.Proxy):
+            return None
         if not isinstance(x, Mapping) and patch_coord is None and patch_valid is None:
             return None
         if is_causal or depth is not None:
