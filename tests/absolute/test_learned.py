@@ -53,3 +53,39 @@ def test_bad_input():
         _learned((2, 3))(torch.randn(1, 8, 16), (2, 3), 2)
     with pytest.raises(ValueError, match="2D"):
         _learned((2, 3)).resampled((2, 2, 3))
+
+
+def test_ar_preserving_resamples_to_a_square_and_crops():
+    # timm's NaFlex rule, written out: interpolate the (H0, W0) table to (L, L), L = max(H, W), keep the top-left H x W
+    pe = _learned((3, 4), prefix=1, ar_preserving=True)
+    plain = _learned((3, 4), prefix=1)
+    plain.load_state_dict(pe.state_dict())
+    table = pe.pos_embed[:, 1:].reshape(1, 3, 4, 16).permute(0, 3, 1, 2)
+    for grid in [(2, 6), (5, 3), (4, 4)]:
+        side = max(grid)
+        square = torch.nn.functional.interpolate(table, size=(side, side), mode="bicubic", antialias=True)
+        expected = square[:, :, : grid[0], : grid[1]].flatten(2).transpose(1, 2)
+        with torch.no_grad():
+            out = pe.resampled(grid)
+            # another rule than resampling to H x W directly, except on square grids
+            assert torch.allclose(out, plain.resampled(grid)) == (grid[0] == grid[1])
+        assert torch.equal(out[:, :1], pe.pos_embed[:, :1])
+        torch.testing.assert_close(out[:, 1:], expected.detach(), rtol=0, atol=1e-6)
+    assert pe.resampled((3, 4)) is pe.pos_embed
+    with pytest.raises(TypeError, match="ar_preserving"):
+        _learned(ar_preserving=1)
+
+
+def test_align_corners_as_interpolate():
+    pe = _learned((3, 4), prefix=0, align_corners=True, interpolation="bilinear")
+    table = pe.pos_embed.reshape(1, 3, 4, 16).permute(0, 3, 1, 2)
+    with torch.no_grad():
+        expected = torch.nn.functional.interpolate(
+            table, size=(5, 7), mode="bilinear", align_corners=True, antialias=True
+        )
+        torch.testing.assert_close(pe.resampled((5, 7)), expected.flatten(2).transpose(1, 2), rtol=0, atol=1e-6)
+        plain = _learned((3, 4), prefix=0, interpolation="bilinear")
+        plain.load_state_dict(pe.state_dict())
+        assert not torch.allclose(pe.resampled((5, 7)), plain.resampled((5, 7)))
+    with pytest.raises(ValueError, match="align_corners=True applies to the bilinear and bicubic"):
+        _learned(align_corners=True, interpolation="nearest")

@@ -31,8 +31,10 @@ def naflexvit(variant: str = "naflexvit_base_patch16_gap", **kwargs) -> NaFlexVi
         {"global_pool": "token", "class_token": True, "reg_tokens": 0, "pos_embed_interp_mode": "bilinear"},
         {"pos_embed_antialias": False, "pos_embed_grid_size": (5, 2)},
         {"variant": "naflexvit_base_patch16_map"},  # attention pooling with the padding masked
+        {"pos_embed_ar_preserving": True},  # resampled to a square, cropped to each grid (the *_par_* models)
+        {"pos_embed_ar_preserving": True, "pos_embed_align_corners": True},  # as RADIO v3
     ],
-    ids=["gap", "token_bilinear", "no_antialias", "map"],
+    ids=["gap", "token_bilinear", "no_antialias", "map", "ar_preserving", "align_corners"],
 )
 def test_own_table_reproduces_the_logits(kwargs):
     model = naflexvit(**kwargs)
@@ -90,8 +92,6 @@ def test_refused_naflex_settings():
         apply_position_scheme(naflexvit(pos_embed="factorized"))
     with pytest.raises(ValueError, match="pos_embed_use_grid_sample=True"):
         apply_position_scheme(naflexvit(pos_embed_use_grid_sample=True))
-    with pytest.raises(ValueError, match="pos_embed_ar_preserving=True"):
-        apply_position_scheme(naflexvit(pos_embed_ar_preserving=True))
     factorized = naflexvit(pos_embed="factorized")
     apply_position_scheme(factorized, "rope_axial")  # named schemes replace a table with no translation
     assert factorized.embeds.pos_embed_y is None and factorized.pos_embed_names == ["rope_axial"]

@@ -13,7 +13,7 @@ from timm.layers import resample_abs_pos_embed, trunc_normal_
 from torch import nn
 
 from ..base import AbsolutePositionEncoding
-from ..checks import check_choice, check_int
+from ..checks import check_choice, check_instance, check_int
 from ..grid import is_symbolic_grid, validate_grid_size
 from ..registry import register_scheme
 
@@ -36,6 +36,12 @@ class LearnedPosEmbed(AbsolutePositionEncoding):
         num_prefix_tokens: cls + register tokens; with ``no_embed_class=False`` the table has a row for each.
         no_embed_class: DeiT-III form, no rows for prefix tokens.
         interpolation: resampling mode (``bicubic`` as timm, ``bilinear`` for the LookHere protocol).
+        antialias: antialiased resampling when shrinking (timm's default).
+        ar_preserving: keep the aspect ratio of the table's content: at another grid (H, W) the patch rows are
+            resampled to the square max(H, W) x max(H, W) and its top-left H x W kept, as timm's NaFlex models with
+            ``pos_embed_ar_preserving=True`` do (default False: resampled to H x W directly).
+        align_corners: ``F.interpolate``'s ``align_corners`` for the bilinear and bicubic modes (default False; True
+            as timm's NaFlex models with ``pos_embed_align_corners=True``).
     """
 
     def __init__(
@@ -48,10 +54,19 @@ class LearnedPosEmbed(AbsolutePositionEncoding):
         no_embed_class: bool = False,
         interpolation: str = "bicubic",
         antialias: bool = True,
+        ar_preserving: bool = False,
+        align_corners: bool = False,
     ) -> None:
         super().__init__()
         self.grid_size = validate_grid_size(grid_size, ndims=(2,))
         check_choice(interpolation, "interpolation", _INTERPOLATIONS)
+        check_instance(ar_preserving, "ar_preserving", bool, expected="a bool")
+        check_instance(align_corners, "align_corners", bool, expected="a bool")
+        if align_corners and interpolation == "nearest":
+            raise ValueError(
+                "align_corners=True applies to the bilinear and bicubic modes, got interpolation='nearest'"
+            )
+        self.ar_preserving, self.align_corners = ar_preserving, align_corners
         check_int(num_prefix_tokens, "num_prefix_tokens", min=0)
         self.num_prefix_tokens, self.no_embed_class = num_prefix_tokens, no_embed_class
         self.interpolation, self.antialias = interpolation, antialias
@@ -65,8 +80,24 @@ class LearnedPosEmbed(AbsolutePositionEncoding):
         A symbolic grid (export with dynamic height and width) is always resampled, inside the graph, so that the
         exported model runs at any grid (at the training grid the resampling returns the table up to rounding)."""
         grid_size = self.check_grid(grid_size)
-        if not is_symbolic_grid(grid_size) and grid_size == self.grid_size:
+        symbolic = is_symbolic_grid(grid_size)
+        if not symbolic and grid_size == self.grid_size:
             return self.pos_embed
+        if not self.ar_preserving:
+            return self._resample(grid_size)
+        if symbolic:
+            raise ValueError(
+                "ar_preserving=True crops a square table to each grid, which a graph with a dynamic grid cannot "
+                f"express; export at a fixed image size, got grid_size={grid_size}"
+            )
+        height, width = grid_size
+        side = max(height, width)
+        table = self._resample((side, side))
+        prefix, rows = table[:, : self.num_embed_prefix], table[:, self.num_embed_prefix :]
+        rows = rows.reshape(1, side, side, -1)[:, :height, :width].reshape(1, height * width, -1)
+        return torch.cat([prefix, rows], dim=1)
+
+    def _resample(self, grid_size: tuple[int, int]) -> torch.Tensor:
         return _resample(
             self.pos_embed,
             new_size=list(grid_size),
@@ -74,6 +105,7 @@ class LearnedPosEmbed(AbsolutePositionEncoding):
             num_prefix_tokens=self.num_embed_prefix,
             interpolation=self.interpolation,
             antialias=self.antialias,
+            align_corners=True if self.align_corners else None,
         )
 
     def forward(self, x: torch.Tensor, grid_size: tuple[int, ...], num_prefix_tokens: int) -> torch.Tensor:

@@ -37,10 +37,10 @@ After the swap a ``VisionTransformer`` is a :class:`~visionpe.models.vit.VisionP
 A ``NaFlexVit`` becomes a :class:`VisionPENaFlexVit` (its blocks :class:`~visionpe.attention.PosBlock`): timm's
 forward, taking (B, C, H, W) images or a mixed-resolution batch (the dict of timm's ``NaFlexCollator``, or patches
 with ``patch_coord`` and ``patch_valid``), with each image's schemes at its own grid (:mod:`visionpe.models.naflex`).
-Its own learned table (``pos_embed`` (1, H, W, C), resampled per image with ``pos_embed_interp_mode`` and
-``pos_embed_antialias``) translates to ``learned`` on that grid, without prefix rows (the table copied): the logits
-of a mixed batch are the model's own. timm's factorized table, grid-sample resampling, aspect-ratio preserving
-resampling and ``align_corners`` have no exact visionpe equivalent (ValueError for ``pos_embed=None``; name the
+Its own learned table (``pos_embed`` (1, H, W, C), resampled per image with ``pos_embed_interp_mode``,
+``pos_embed_antialias``, ``pos_embed_ar_preserving`` and ``pos_embed_align_corners``) translates to ``learned`` on that
+grid, without prefix rows (the table copied): the logits of a mixed batch are the model's own. timm's factorized
+table and grid-sample resampling have no exact visionpe equivalent (ValueError for ``pos_embed=None``; name the
 schemes instead).
 """
 
@@ -474,8 +474,6 @@ def _naflex_translation(model: NaFlexVit, strict: bool = True) -> dict[str, _Tra
         return {}
     unsupported = {
         "pos_embed_type": (embeds.pos_embed_type, "learned"),
-        "pos_embed_ar_preserving": (embeds.pos_embed_ar_preserving, False),
-        "pos_embed_align_corners": (embeds.pos_embed_align_corners, False),
         "pos_embed_use_grid_sample": (embeds.pos_embed_use_grid_sample, False),
     }
     for option, (value, exact) in unsupported.items():
@@ -501,6 +499,8 @@ def _naflex_translation(model: NaFlexVit, strict: bool = True) -> dict[str, _Tra
         "no_embed_class": True,
         "interpolation": mode,
         "antialias": bool(embeds.pos_embed_antialias),
+        "ar_preserving": bool(embeds.pos_embed_ar_preserving),
+        "align_corners": bool(embeds.pos_embed_align_corners),
     }
     return {"learned": _Translation(options, {"pos_embed": table.reshape(1, height * width, -1)})}
 
