@@ -57,6 +57,29 @@ def test_own_table_reproduces_the_logits(kwargs):
         assert not torch.allclose(model(batch), expected_mixed, atol=1e-3)
 
 
+@pytest.mark.parametrize("ar_preserving", [False, True], ids=["factorized", "parfac"])
+def test_own_factorized_tables_reproduce_the_logits(ar_preserving):
+    model = naflexvit(pos_embed="factorized", pos_embed_ar_preserving=ar_preserving)
+    images = grid_images()
+    batch = naflex_batch(images, 20)
+    with torch.no_grad():
+        expected_mixed, expected_image = model(batch), model(images[0][None])
+    rows, cols = model.embeds.pos_embed_y.detach().clone(), model.embeds.pos_embed_x.detach().clone()
+    report = apply_position_scheme(model)
+    assert model.pos_embed_names == ["learned_factorized"] and model.embeds.pos_embed_y is None
+    assert sorted(report.copied) == [
+        "pos_schemes.learned_factorized.pos_embed_x",
+        "pos_schemes.learned_factorized.pos_embed_y",
+    ]
+    scheme = model.pos_schemes.learned_factorized
+    assert torch.equal(scheme.pos_embed_y, rows) and torch.equal(scheme.pos_embed_x, cols)
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch), expected_mixed, rtol=0, atol=1e-5)
+        torch.testing.assert_close(model(images[0][None]), expected_image, rtol=0, atol=1e-5)
+        scheme.pos_embed_x.normal_()
+        assert not torch.allclose(model(batch), expected_mixed, atol=1e-3)
+
+
 @pytest.mark.parametrize("schemes", [["rope_axial", "cpe"], "alibi2d", ["learned", "rope_dinov3"]])
 def test_any_scheme_runs_mixed_batches_per_image(schemes):
     model = naflexvit()
@@ -88,8 +111,6 @@ def test_swap_back_and_patch_dropout():
 
 
 def test_refused_naflex_settings():
-    with pytest.raises(ValueError, match="pos_embed_type='factorized'"):
-        apply_position_scheme(naflexvit(pos_embed="factorized"))
     with pytest.raises(ValueError, match="pos_embed_use_grid_sample=True"):
         apply_position_scheme(naflexvit(pos_embed_use_grid_sample=True))
     factorized = naflexvit(pos_embed="factorized")

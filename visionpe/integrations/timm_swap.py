@@ -39,9 +39,9 @@ forward, taking (B, C, H, W) images or a mixed-resolution batch (the dict of tim
 with ``patch_coord`` and ``patch_valid``), with each image's schemes at its own grid (:mod:`visionpe.models.naflex`).
 Its own learned table (``pos_embed`` (1, H, W, C), resampled per image with ``pos_embed_interp_mode``,
 ``pos_embed_antialias``, ``pos_embed_ar_preserving`` and ``pos_embed_align_corners``) translates to ``learned`` on that
-grid, without prefix rows (the table copied): the logits of a mixed batch are the model's own. timm's factorized
-table and grid-sample resampling have no exact visionpe equivalent (ValueError for ``pos_embed=None``; name the
-schemes instead).
+grid, without prefix rows (the table copied), and its factorized tables (``pos_embed="factorized"``) to
+``learned_factorized``: the logits of a mixed batch are the model's own. timm's grid-sample resampling has no exact
+visionpe equivalent (ValueError for ``pos_embed=None``; name the schemes instead).
 """
 
 from __future__ import annotations
@@ -472,8 +472,9 @@ def _naflex_translation(model: NaFlexVit, strict: bool = True) -> dict[str, _Tra
     embeds = model.embeds
     if embeds.pos_embed_type == "none":
         return {}
+    factorized = embeds.pos_embed_type == "factorized"
     unsupported = {
-        "pos_embed_type": (embeds.pos_embed_type, "learned"),
+        "pos_embed_type": (embeds.pos_embed_type, "factorized" if factorized else "learned"),
         "pos_embed_use_grid_sample": (embeds.pos_embed_use_grid_sample, False),
     }
     for option, (value, exact) in unsupported.items():
@@ -484,6 +485,11 @@ def _naflex_translation(model: NaFlexVit, strict: bool = True) -> dict[str, _Tra
                 f"the model's NaFlex position embedding has {option}={value!r}, which no visionpe scheme reproduces "
                 f"exactly (only {option}={exact!r} translates); name the scheme(s) to use instead (pos_embed=...)"
             )
+    if factorized:  # one table per axis, resampled linearly: NaViT's factorized embedding
+        options = {"grid_size": (embeds.pos_embed_y.shape[1], embeds.pos_embed_x.shape[1])}
+        options["ar_preserving"] = bool(embeds.pos_embed_ar_preserving)
+        weights = {"pos_embed_y": embeds.pos_embed_y, "pos_embed_x": embeds.pos_embed_x}
+        return {"learned_factorized": _Translation(options, weights)}
     mode = embeds.pos_embed_interp_mode
     if mode not in ("bicubic", "bilinear", "nearest"):
         if not strict:
