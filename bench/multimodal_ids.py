@@ -298,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     timing = f"{args.rounds} rounds of {args.calls} calls, {args.threads} thread(s)"
 
     print(f"M-RoPE ids, transformers get_rope_index vs visionpe get_position_ids; {timing}; identical output: True")
-    header = f"  {'batch':<10} {'B x L':>10} {'tf cpu ms':>10} {'vpe cpu ms':>10} {'cpu min':>8} {'cpu med':>8} {'wall':>8}"
+    header = f"  {'batch':<10} {'B x L':>10} {'tf cpu ms':>10} {'vpe cpu ms':>10}"
+    header += f" {'cpu min':>8} {'cpu med':>8} {'wall':>8}"
     print(header)
     rows, totals = [], {"transformers": 0.0, "visionpe": 0.0}
     for batch in batches:
@@ -307,9 +308,7 @@ def main(argv: list[str] | None = None) -> None:
         if batch.name != "fixed":
             for name in totals:
                 totals[name] += stats[name][2]
-        rows.append(
-            [batch.name, *describe(batch), stats["transformers"][2] * 1e3, stats["visionpe"][2] * 1e3, *ratios]
-        )
+        rows.append([batch.name, *describe(batch), stats["transformers"][2] * 1e3, stats["visionpe"][2] * 1e3, *ratios])
         print(
             f"  {batch.name:<10} {rows[-1][1]:>10} {rows[-1][4]:10.3f} {rows[-1][5]:10.3f} "
             + " ".join(f"{r:7.1f}x" for r in ratios)

@@ -103,9 +103,7 @@ def bipe_design(
     # One id per frame (visual unit); the block consumes one id per frame, plus the one its opening costs.
     local = opens + layout.frame
     advance = open_text.long() + layout.block_thw[:, 0]
-    return DesignOutput(
-        local=local.expand(3, -1), advance=advance, text_advance=closes.long(), block_top=advance - 1
-    )
+    return DesignOutput(local=local.expand(3, -1), advance=advance, text_advance=closes.long(), block_top=advance - 1)
 
 
 @dataclass(frozen=True)

@@ -293,7 +293,7 @@ def parse_layout(
             )
         valid = attention_mask.to(device=device, dtype=torch.bool)
         # A 0/1 integer mask sums faster than its bool copy.
-        num_valid = (valid if attention_mask.is_floating_point() or attention_mask.is_complex() else attention_mask)
+        num_valid = valid if attention_mask.is_floating_point() or attention_mask.is_complex() else attention_mask
         num_valid = num_valid.sum(1).to(device=device, dtype=torch.long)
         if int(num_valid.amin()) == 0:
             b = int((num_valid == 0).nonzero()[0])
@@ -321,7 +321,14 @@ def parse_layout(
         if num_tokens != expected[0]:
             masked = types.masked_fill(~valid, -1)
             _raise_count_error(
-                masked, flat, arange >= 0, counts.tolist(), image, video, image_grid_thw, video_grid_thw,
+                masked,
+                flat,
+                arange >= 0,
+                counts.tolist(),
+                image,
+                video,
+                image_grid_thw,
+                video_grid_thw,
                 spatial_merge_size,
             )
         single_frame = frames == 1

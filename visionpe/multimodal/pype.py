@@ -52,8 +52,8 @@ def pype_num_levels(height: int, width: int, layer: int, interval: int | None = 
     """K(l) = max(ceil(min(height, width) / 2) - floor(layer / interval), 1): the levels of a merged grid at a layer.
 
     Example:
-        >>> [pype_num_levels(24, 24, layer, interval=2) for layer in (0, 1, 2, 21, 22, 30)]
-        [12, 12, 11, 2, 1, 1]
+        >>> tuple(pype_num_levels(24, 24, layer, interval=2) for layer in (0, 1, 2, 21, 22, 30))
+        (12, 12, 11, 2, 1, 1)
     """
     check_int(height, "height", min=1)
     check_int(width, "width", min=1)
