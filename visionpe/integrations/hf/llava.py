@@ -64,6 +64,7 @@ from .qwen import (
     _checked_section,
     _dispatching_apply,
     _HFRotary,
+    _restore_methods,
     _scaled_section,
 )
 from .qwen import (
@@ -708,15 +709,7 @@ def remove_position_scheme(model: nn.Module) -> nn.Module:
     """
     vl_model, _ = _inner_model(model)
     state = vl_model.__dict__.pop(_STATE, None)
-    originals = state.originals if state is not None else {}
-    outer = model if model is not vl_model else None
-    for on_outer, name in _PATCHED_METHODS:
-        obj = outer if on_outer else vl_model
-        if obj is None or not getattr(obj.__dict__.get(name), "visionpe_patch", False):
-            continue
-        del obj.__dict__[name]
-        if originals.get(name) is not None:
-            setattr(obj, name, originals[name])
+    _restore_methods(model, vl_model, _PATCHED_METHODS, state.originals if state is not None else {})
     rotary = vl_model.language_model.rotary_emb
     if isinstance(rotary, _HFRotary):
         vl_model.language_model.rotary_emb = rotary.original

@@ -421,6 +421,21 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
     return model
 
 
+def _restore_methods(
+    model: nn.Module, vl_model: nn.Module, patched: tuple[tuple[bool, str], ...], originals: dict[str, Any]
+) -> None:
+    """Remove the methods visionpe patched onto the outer model (``on_outer``) or the inner one, and put back an
+    instance attribute of the same name that a patch shadowed (``originals``)."""
+    outer = model if model is not vl_model else None
+    for on_outer, name in patched:
+        obj = outer if on_outer else vl_model
+        if obj is None or not getattr(obj.__dict__.get(name), "visionpe_patch", False):
+            continue
+        del obj.__dict__[name]
+        if originals.get(name) is not None:
+            setattr(obj, name, originals[name])
+
+
 def remove_position_scheme(model: nn.Module) -> nn.Module:
     """Undo :func:`apply_position_scheme`, in place: the model runs with its own position scheme again.
 
@@ -446,15 +461,7 @@ def remove_position_scheme(model: nn.Module) -> nn.Module:
     """
     vl_model, _ = _inner_model(model)
     current = vl_model.language_model.rotary_emb
-    originals = current.originals if isinstance(current, _HFRotary) else {}
-    outer = model if model is not vl_model else None
-    for on_outer, name in _PATCHED_METHODS:
-        obj = outer if on_outer else vl_model
-        if obj is None or not getattr(obj.__dict__.get(name), "visionpe_patch", False):
-            continue
-        del obj.__dict__[name]
-        if originals.get(name) is not None:
-            setattr(obj, name, originals[name])
+    _restore_methods(model, vl_model, _PATCHED_METHODS, current.originals if isinstance(current, _HFRotary) else {})
     _uninstall_layer_plan(vl_model)
     if isinstance(current, _HFRotary):
         vl_model.language_model.rotary_emb = current.original
