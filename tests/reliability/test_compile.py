@@ -162,3 +162,27 @@ def test_multimodal_rotary_compiles_and_matches_eager(scheme, kwargs):
         torch.testing.assert_close(out, ref, **TOL)
         torch.testing.assert_close(grad, ref_grad, **TOL)
     assert counters["stats"]["unique_graphs"] >= 1
+
+
+# Schemes whose rotations depend on data-dependent values: LieRE and ComRoPE choose the number of squarings of their
+# matrix exponential from the generators' norms (a host-side count), and ComRoPE builds its exponentials once per
+# distinct coordinate value (torch.unique), so dynamo breaks the graph there. Strict: a fix makes the test fail
+# until the entry is removed.
+GRAPH_BREAKS = {"liere", "comrope_ap", "comrope_ld"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="data-dependent rotations"))
+        if n in GRAPH_BREAKS
+        else n
+        for n in visionpe.list_schemes()
+    ],
+)
+def test_whole_model_compiles_without_graph_breaks(name):
+    # torch._dynamo.explain traces the whole model's forward as torch.compile does (without inductor's code
+    # generation): the position code must not split the graph, or CUDA graphs and max-autotune lose the model
+    model = perturb_(tiny_vit(name, depth=2)).eval()
+    explanation = torch._dynamo.explain(model)(torch.randn(2, 3, 32, 32))
+    assert explanation.graph_break_count == 0, [str(reason.reason)[:200] for reason in explanation.break_reasons]
