@@ -12,6 +12,7 @@ in the same run; timm's own RoPE ViTs (Eva) are printed as reference rows.
     .venv/bin/python bench/throughput.py --schemes string_cayley --depth  # and STRING on RGB-D (depth_coords)
     .venv/bin/python bench/throughput.py --rove           # and RoPE rotating the values too (rotate_values=True)
     .venv/bin/python bench/throughput.py --schemes alibi2d --flex  # and bias schemes on FlexAttention (GPU rows)
+    .venv/bin/python bench/throughput.py --schemes learned_factorized --update  # one row more, the others kept
     python3 bench/throughput.py --device cuda --precision bf16 --batch 128 --steps 5 --profile  # on a GPU
 
 ``--malloc retain`` (Linux, glibc) sets M_MMAP_THRESHOLD to its 32 MB maximum and M_TRIM_THRESHOLD beyond any
@@ -28,6 +29,7 @@ commit, versions, device and command on the first line of the Markdown file).
 from __future__ import annotations
 
 import argparse
+import csv
 import ctypes
 import ctypes.util
 import statistics
@@ -102,6 +104,20 @@ def profile_step(
     return sum(e.count for e in events) / steps, busy / steps / 1e3
 
 
+def previous_rows(out: Path) -> tuple[list[list], str]:
+    """The rows of ``out/throughput.csv`` (model, images/s, ratio) and the first line of ``out/throughput.md`` (when
+    and how they were measured), for ``--update``; exits when either file is missing or has profile columns."""
+    csv_path, md_path = out / "throughput.csv", out / "throughput.md"
+    if not csv_path.is_file() or not md_path.is_file():
+        sys.exit(f"--update needs a previous throughput.csv and throughput.md in {out}")
+    with open(csv_path, newline="") as f:
+        table = list(csv.reader(f))
+    if len(table[0]) != 3:
+        sys.exit(f"--update keeps tables of model, images/s and ratio only; {csv_path} has columns {table[0]}")
+    rows = [[r[0], float(r[1]), float(r[2])] for r in table[1:]]
+    return rows, md_path.read_text().splitlines()[0].removeprefix("Measured ")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--schemes", nargs="*", default=None, help="scheme names (default: all + combos)")
@@ -132,11 +148,20 @@ def main() -> None:
         "(set_attention_backend(model, 'flex'); on a CPU training keeps the dense path, so these rows matter on a GPU)",
     )
     parser.add_argument(
+        "--update",
+        action="store_true",
+        help="re-measure only --schemes (and the baseline) and keep the other rows of the previous table in --out, "
+        "each with its ratio against its own run's baseline",
+    )
+    parser.add_argument(
         "--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of throughput.md and .csv (default {DEFAULT_OUT})"
     )
     args = parser.parse_args()
     if not 0 <= args.patch_drop < 1:
         parser.error(f"--patch-drop must be in [0, 1), got {args.patch_drop}")
+    if args.update and (not args.schemes or args.profile):
+        parser.error("--update re-measures the schemes named by --schemes (at least one), without --profile")
+    previous = previous_rows(Path(args.out)) if args.update else None
     if args.malloc == "retain":
         retain_heap()
     if args.threads:
@@ -147,7 +172,7 @@ def main() -> None:
     drop = {"patch_drop_rate": args.patch_drop} if args.patch_drop else {}
     baseline = timm.create_model("vit_small_patch16_224", img_size=args.size, **drop)
     models = {"timm vit_small_patch16_224 (baseline)": baseline}
-    for ref in REFERENCES:
+    for ref in () if args.update else REFERENCES:  # --update keeps the references of the previous table
         models[f"timm {ref} (reference)"] = timm.create_model(ref, img_size=args.size, **drop)
     for names in schemes:
         label = "+".join(names)
@@ -215,11 +240,19 @@ def main() -> None:
             rows[-1] += [count, busy]
             row += f" {count:.0f} | {busy:.1f} |"
         print(row, flush=True)
+    if previous is not None:
+        measured = {row[0] for row in rows}
+        rows += [row for row in previous[0] if row[0] not in measured]
     columns = ["model", "images/s", "ratio to timm ViT-S"]
     columns += [f"{unit} per step", "device ms per step"] if args.profile else []
     formats = {"images/s": ".1f", "ratio to timm ViT-S": ".3f", f"{unit} per step": ".0f", "device ms per step": ".1f"}
     threads = "" if args.device.startswith("cuda") else f", {torch.get_num_threads()} threads"
     notes = f"ViT-S/16 training step, {settings}{threads}; ratio = images/s of the model / images/s of the baseline."
+    if previous is not None:
+        notes += (
+            f" Rows measured by this command: the baseline and {', '.join(args.schemes)}; the other "
+            f"rows (ratios against that run's baseline) are from the previous table: {previous[1]}"
+        )
     paths = write_results(
         "throughput", rows, columns, out_dir=args.out, notes=notes, device=args.device, formats=formats
     )

@@ -91,3 +91,27 @@ def test_flex_adds_bias_rows_on_flexattention(bench, monkeypatch, capsys, tmp_pa
     with pytest.raises(SystemExit):
         bench.main()
     assert "--flex takes bias schemes with per-offset terms" in capsys.readouterr().err
+
+
+def test_update_remeasures_the_named_schemes_and_keeps_the_other_rows(bench, monkeypatch, capsys, tmp_path):
+    base = "--rounds 1 --warmup 0 --batch 1 --size 32"
+    monkeypatch.setattr(
+        "sys.argv", ["bench/throughput.py", "--schemes", "none", "sincos", *base.split(), "--out", str(tmp_path)]
+    )
+    bench.main()
+    with open(tmp_path / "throughput.csv", newline="") as f:
+        first = {row[0]: row for row in csv.reader(f)}
+    monkeypatch.setattr(
+        "sys.argv", ["bench/throughput.py", "--schemes", "sincos", "--update", *base.split(), "--out", str(tmp_path)]
+    )
+    bench.main()
+    with open(tmp_path / "throughput.csv", newline="") as f:
+        second = {row[0]: row for row in csv.reader(f)}
+    assert set(second) == set(first) and second["none"] == first["none"]  # kept as it was
+    assert all(second[k] == first[k] for k in first if "(reference)" in k)  # references kept too
+    md = (tmp_path / "throughput.md").read_text()
+    assert "Rows measured by this command: the baseline and sincos" in md
+    monkeypatch.setattr("sys.argv", ["bench/throughput.py", "--update", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--update re-measures the schemes named by --schemes" in capsys.readouterr().err
