@@ -64,6 +64,15 @@ __all__ = [
 ATTENTION_BACKENDS = ("sdpa", "flex")
 
 
+def _check_no_mask(attn_mask: torch.Tensor | None, is_causal: bool) -> None:
+    """A mixed-resolution batch takes its key mask from ``patch_valid``: ValueError for a given mask or causality."""
+    if attn_mask is not None or is_causal:
+        raise ValueError(
+            "a mixed-resolution batch masks its padding from patch_valid; attn_mask and is_causal are not taken "
+            f"with it, got attn_mask={'a tensor' if attn_mask is not None else None}, is_causal={is_causal}"
+        )
+
+
 @dataclass
 class GridGroup:
     """The samples of a mixed-resolution batch that share one grid: ``grid_size``, their int64 ``index`` in the batch,
@@ -179,11 +188,7 @@ class PosAttention(Attention):
     @staticmethod
     def _padding_mask(attn_mask: torch.Tensor | None, is_causal: bool, padding: torch.Tensor) -> torch.Tensor:
         """The key-padding mask of a mixed-resolution batch, which replaces ``attn_mask`` (none may be given)."""
-        if attn_mask is not None or is_causal:
-            raise ValueError(
-                "a mixed-resolution batch masks its padding from patch_valid; attn_mask and is_causal are not taken "
-                f"with it, got attn_mask={'a tensor' if attn_mask is not None else None}, is_causal={is_causal}"
-            )
+        _check_no_mask(attn_mask, is_causal)
         return padding
 
     def _forward_groups(
@@ -191,11 +196,7 @@ class PosAttention(Attention):
     ) -> torch.Tensor:
         """Attention of a mixed-resolution batch: each group's valid tokens through :meth:`forward` with the group's
         context, written back at their rows; padding rows are zero (see the module docstring)."""
-        if attn_mask is not None or is_causal:
-            raise ValueError(
-                "a mixed-resolution batch masks its padding from patch_valid; attn_mask and is_causal are not taken "
-                f"with it, got attn_mask={'a tensor' if attn_mask is not None else None}, is_causal={is_causal}"
-            )
+        _check_no_mask(attn_mask, is_causal)
         B, N, _ = x.shape
         if len(groups) == 1 and groups[0].length == N and groups[0].index.numel() == B:
             return self.forward(x, pos=groups[0].context)
