@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from timm.models._features import feature_take_indices
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..attention import PositionContext
 from ..camera.base import AbsoluteCameraEncoding, CameraPositionEncoding, RelativeCameraEncoding
@@ -235,18 +234,12 @@ class MultiViewViT(VisionPEViT):
                 tokens = scheme(tokens, cameras, grid_size, **extra)
         x = self.norm_pre(self.pos_drop(tokens))
         ctx = self.view_position_context(cameras, grid_size, x.device, patch_depth)
-        inserts = [m for m in self._schemes("absolute") if m.insert_after]
-        blocks = self.blocks if last is None else self.blocks[: last + 1]
-        for i, blk in enumerate(blocks):
-            if self.grad_checkpointing and self.training and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, None, False, ctx, use_reentrant=False)
-            else:
-                x = blk(x, pos=ctx)
-            for scheme in inserts:
-                if i in scheme.insert_after:
-                    x = scheme(x.reshape(batch * views, -1, self.embed_dim), grid_size, 0, after_block=i)
-                    x = x.reshape(batch, -1, self.embed_dim)
-            yield x
+
+        def insert(scheme: nn.Module, tokens: torch.Tensor, i: int) -> torch.Tensor:  # view by view
+            tokens = scheme(tokens.reshape(batch * views, -1, self.embed_dim), grid_size, 0, after_block=i)
+            return tokens.reshape(batch, -1, self.embed_dim)
+
+        yield from self._run_blocks(x, ctx, last, insert)
 
     def view_position_context(
         self,

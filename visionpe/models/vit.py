@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -456,6 +456,23 @@ class VisionPEViT(VisionTransformer):
             ctx = self.position_context(grid_size, x.device, patch_depth)
         if keep is not None and (ctx.rotary or ctx.bias):
             ctx.keep_tokens(keep, self.num_prefix_tokens, num_tokens)
+
+        def insert(scheme: AbsolutePositionEncoding, tokens: torch.Tensor, i: int) -> torch.Tensor:
+            return _add_absolute(scheme, tokens, grid_size, self.num_prefix_tokens, i)
+
+        yield from self._run_blocks(x, ctx, last, insert, attn_mask, is_causal)
+
+    def _run_blocks(
+        self,
+        x: torch.Tensor,
+        ctx: PositionContext,
+        last: int | None,
+        insert: Callable[[AbsolutePositionEncoding, torch.Tensor, int], torch.Tensor],
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+    ):
+        """Yield the tokens after each block (up to block ``last``), each block with the position context ``ctx``;
+        ``insert(scheme, tokens, i)`` applies an absolute scheme that runs after block ``i`` (CPE's PEG)."""
         inserts = [m for m in self._schemes("absolute") if m.insert_after]
         blocks = self.blocks if last is None else self.blocks[: last + 1]
         for i, blk in enumerate(blocks):
@@ -465,7 +482,7 @@ class VisionPEViT(VisionTransformer):
                 x = blk(x, attn_mask=attn_mask, is_causal=is_causal, pos=ctx)
             for scheme in inserts:
                 if i in scheme.insert_after:
-                    x = _add_absolute(scheme, x, grid_size, self.num_prefix_tokens, i)
+                    x = insert(scheme, x, i)
             yield x
 
     def _blocks_naflex(self, patches: torch.Tensor, layout: MixedGrid, last: int | None = None):
@@ -489,22 +506,14 @@ class VisionPEViT(VisionTransformer):
             )
         x = self.norm_pre(x)
         ctx = build_mixed_position_context(self.pos_schemes.values(), self.num_prefix_tokens, layout, x.device)
-        inserts = [m for m in self._schemes("absolute") if m.insert_after]
-        blocks = self.blocks if last is None else self.blocks[: last + 1]
-        for i, blk in enumerate(blocks):
-            if self.grad_checkpointing and self.training and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, None, False, ctx, use_reentrant=False)
-            else:
-                x = blk(x, pos=ctx)
-            for scheme in inserts:
-                if i in scheme.insert_after:
-                    x = apply_per_grid(
-                        lambda t, g, s=scheme, i=i: s(t, g, self.num_prefix_tokens, after_block=i),
-                        x,
-                        layout,
-                        self.num_prefix_tokens,
-                    )
-            yield x
+
+        def insert(scheme: AbsolutePositionEncoding, tokens: torch.Tensor, i: int) -> torch.Tensor:
+            def apply(t: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor:
+                return scheme(t, grid, self.num_prefix_tokens, after_block=i)
+
+            return apply_per_grid(apply, tokens, layout, self.num_prefix_tokens)
+
+        yield from self._run_blocks(x, ctx, last, insert)
 
     def _naflex_batch(
         self,
