@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -204,7 +204,30 @@ _POS_ATTENTION = {EvaAttention: EvaPosAttention, AttentionRope: RopePosAttention
 # -- the converted Eva ------------------------------------------------------------------------------------------
 
 
-class VisionPEEva(Eva):
+class _ConvertedModel:
+    """What a timm model converted in place shares with :class:`~visionpe.models.vit.VisionPEViT`: its schemes by kind,
+    the position context, their parameters out of weight decay and in the stem group (``_stem``: the model's own
+    stem parameters, a regex alternative)."""
+
+    pos_schemes: nn.ModuleDict
+    _stem: ClassVar[str]
+
+    _schemes = VisionPEViT._schemes
+    position_context = VisionPEViT.position_context
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return set(super().no_weight_decay()) | schemes_no_weight_decay(self.pos_schemes)
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
+        """timm's groups, position parameters with the stem (as the model's own position parameters)."""
+        matcher = dict(super().group_matcher(coarse))
+        matcher["stem"] = rf"^(?:{self._stem}|pos_schemes(?:\.|$))"
+        return matcher
+
+
+class VisionPEEva(_ConvertedModel, Eva):
     """timm's ``Eva`` whose position encoding is a set of visionpe schemes (``pos_schemes``, names in
     ``pos_embed_names``): what :func:`apply_position_scheme` turns an ``Eva`` into, in place.
 
@@ -215,6 +238,8 @@ class VisionPEEva(Eva):
     :func:`apply_position_scheme`.
     """
 
+    _stem = "cls_token|reg_token|pos_embed|patch_embed|norm_pre"  # with timm's pos_embed
+
     pos_schemes: nn.ModuleDict
     pos_embed_names: list[str]
 
@@ -223,9 +248,6 @@ class VisionPEEva(Eva):
             "VisionPEEva is made from an Eva in place: model = timm.create_model(...); "
             "visionpe.integrations.timm.apply_position_scheme(model, pos_embed)"
         )
-
-    _schemes = VisionPEViT._schemes
-    position_context = VisionPEViT.position_context
 
     def _pos_embed(self, x: torch.Tensor) -> tuple[torch.Tensor, PositionContext]:
         if self.dynamic_img_size:
@@ -255,22 +277,11 @@ class VisionPEEva(Eva):
         for scheme in self.pos_schemes.values():
             scheme.set_grid_size(tuple(self.patch_embed.grid_size))
 
-    @torch.jit.ignore
-    def no_weight_decay(self) -> set[str]:
-        return set(super().no_weight_decay()) | schemes_no_weight_decay(self.pos_schemes)
-
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
-        """timm's groups, position parameters with the stem (as timm's ``pos_embed``)."""
-        matcher = dict(super().group_matcher(coarse))
-        matcher["stem"] = r"^(?:cls_token|reg_token|pos_embed|patch_embed|norm_pre|pos_schemes(?:\.|$))"
-        return matcher
-
 
 # -- the converted NaFlexVit ------------------------------------------------------------------------------------
 
 
-class VisionPENaFlexVit(NaFlexVit):
+class VisionPENaFlexVit(_ConvertedModel, NaFlexVit):
     """timm's ``NaFlexVit`` whose position encoding is a set of visionpe schemes (``pos_schemes``, names in
     ``pos_embed_names``): what :func:`apply_position_scheme` turns a ``NaFlexVit`` into, in place.
 
@@ -284,6 +295,8 @@ class VisionPENaFlexVit(NaFlexVit):
     then call :func:`apply_position_scheme`.
     """
 
+    _stem = "embeds"  # with timm's embeds, which held the table
+
     pos_schemes: nn.ModuleDict
     pos_embed_names: list[str]
     pos_drop: nn.Module
@@ -293,9 +306,6 @@ class VisionPENaFlexVit(NaFlexVit):
             "VisionPENaFlexVit is made from a NaFlexVit in place: model = timm.create_model('naflexvit_...'); "
             "visionpe.integrations.timm.apply_position_scheme(model, pos_embed)"
         )
-
-    _schemes = VisionPEViT._schemes
-    position_context = VisionPEViT.position_context
 
     def _forward_embeds(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         raise TypeError(
@@ -364,17 +374,6 @@ class VisionPENaFlexVit(NaFlexVit):
         if layout is not None:
             return {"patches": x, "patch_valid": layout.patch_valid}
         return x
-
-    @torch.jit.ignore
-    def no_weight_decay(self) -> set[str]:
-        return set(super().no_weight_decay()) | schemes_no_weight_decay(self.pos_schemes)
-
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
-        """timm's groups, position parameters with the stem (as timm's ``embeds``)."""
-        matcher = dict(super().group_matcher(coarse))
-        matcher["stem"] = r"^(?:embeds|pos_schemes(?:\.|$))"
-        return matcher
 
 
 # -- the model's own encoding -----------------------------------------------------------------------------------
