@@ -154,15 +154,8 @@ def apply_per_grid(
     if not isinstance(layout, MixedGrid):
         raise TypeError(f"layout must be a visionpe.grid.MixedGrid (from mixed_grid), got {describe(layout)}")
     validate_count(num_prefix_tokens, "num_prefix_tokens")
-    if (
-        not isinstance(x, torch.Tensor)
-        or x.ndim != 3
-        or x.shape[:2]
-        != (
-            layout.batch_size,
-            num_prefix_tokens + layout.num_patches,
-        )
-    ):
+    expected = (layout.batch_size, num_prefix_tokens + layout.num_patches)
+    if not isinstance(x, torch.Tensor) or x.ndim != 3 or tuple(x.shape[:2]) != expected:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else describe(x)
         raise ValueError(
             f"x must be (B, P + N, C) = ({layout.batch_size}, {num_prefix_tokens} + {layout.num_patches}, C) for the "
