@@ -46,6 +46,13 @@ def test_set_grid_size_resamples_permanently():
     assert pe.pos_embed.shape == (1, 10, 16) and pe.grid_size == (3, 3)
 
 
+def test_init_std_scales_the_table():
+    torch.manual_seed(0)
+    default, wide = _learned((16, 16)), _learned((16, 16), init_std=0.125)
+    assert abs(default.pos_embed.std().item() - 0.02) < 0.002  # timm's ViT
+    assert abs(wide.pos_embed.std().item() - 0.125) < 0.01  # e.g. big_vision's 1/sqrt(dim)
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="interpolation"):
         _learned(interpolation="cubic")
@@ -53,6 +60,9 @@ def test_bad_input():
         _learned((2, 3))(torch.randn(1, 8, 16), (2, 3), 2)
     with pytest.raises(ValueError, match="2D"):
         _learned((2, 3)).resampled((2, 2, 3))
+    for bad in (0.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="init_std"):
+            _learned(init_std=bad)
 
 
 def test_ar_preserving_resamples_to_a_square_and_crops():

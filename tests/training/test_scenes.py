@@ -11,6 +11,7 @@ import timm
 import torch
 
 import visionpe  # noqa: F401  (registers the visionpe models)
+from experiments.cli import run_cli
 from experiments.scenes import (
     CELLS,
     KINDS,
@@ -163,6 +164,7 @@ def test_the_command_checks_its_arguments_before_training(monkeypatch, tmp_path)
     monkeypatch.setattr(script, "train_from_config", no_training)
     base = ["--config", CONFIG, "--schemes", "none", "--references", "--out", str(tmp_path)]
     for extra, message in [
+        (["--config", str(tmp_path / "missing.yaml")], "existing YAML"),
         (["--tasks", "region", "parity"], "task must be one of"),
         (["--tasks", "count", "count"], "tasks must not repeat"),
         (["--seeds", "0", "0"], "seeds must not repeat"),
@@ -174,6 +176,17 @@ def test_the_command_checks_its_arguments_before_training(monkeypatch, tmp_path)
     ]:
         with pytest.raises(ValueError, match=message):
             script.main([*base, *extra])
+
+
+def test_the_learned_table_starts_at_big_vision_scale():
+    script = load_script("train/scenes.py")
+    assert script.scheme_options("learned", 64) == {"init_std": 0.125} and script.scheme_options("rope_axial", 64) == {}
+    argv = ["--config", CONFIG, "--schemes", "learned", "--references", "--extrapolation", "none"]
+    settings = script._settings(script.parse_args(argv))
+    (label, args), *_ = script.check_arguments(CONFIG, settings, ["region"], ["zoom"])["runs"]
+    model = run_cli(args=["--config", CONFIG, *args], run=False).model.model
+    table = dict(model.named_parameters())["pos_schemes.learned.pos_embed"]
+    assert label == "learned" and abs(table.std().item() - 64**-0.5) < 0.01  # timm's 0.02 does not learn here
 
 
 # --- the tasks are what they claim ----------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Learned absolute position embedding: Dosovitskiy et al., "An Image is Worth 16x16 Words", ICLR 2021.
 
-E in R^{(P_e + H0 W0) x C}, trunc-normal(0.02). With class rows (P_e = P, timm/ViT default) the prefix is
+E in R^{(P_e + H0 W0) x C}, trunc-normal(0.02) (timm's ViT; ``init_std`` sets another scale, e.g. big_vision's
+1/sqrt(C)). With class rows (P_e = P, timm/ViT default) the prefix is
 concatenated, then E added; with ``no_embed_class`` (DeiT III) E is added to patches only. At another grid
 the patch rows are resampled (bicubic, antialias, fp32) and the prefix rows kept, as timm's
 ``resample_abs_pos_embed`` does; the old grid is always passed explicitly (it need not be square).
@@ -13,7 +14,7 @@ from timm.layers import resample_abs_pos_embed, trunc_normal_
 from torch import nn
 
 from ..base import AbsolutePositionEncoding
-from ..checks import check_choice, check_instance, check_int
+from ..checks import check_choice, check_float, check_instance, check_int
 from ..grid import is_symbolic_grid, validate_grid_size
 from ..registry import register_scheme
 
@@ -42,6 +43,9 @@ class LearnedPosEmbed(AbsolutePositionEncoding):
             ``pos_embed_ar_preserving=True`` do (default False: resampled to H x W directly).
         align_corners: ``F.interpolate``'s ``align_corners`` for the bilinear and bicubic modes (default False; True
             as timm's NaFlex models with ``pos_embed_align_corners=True``).
+        init_std: standard deviation of the table's truncated-normal initialisation (default 0.02, timm's ViT).
+            big_vision's ViT draws it with std ``1 / sqrt(dim)``; in small models trained briefly the 0.02 table
+            can stay too small next to the patch embedding for position to be learned at all.
     """
 
     def __init__(
@@ -56,6 +60,7 @@ class LearnedPosEmbed(AbsolutePositionEncoding):
         antialias: bool = True,
         ar_preserving: bool = False,
         align_corners: bool = False,
+        init_std: float = 0.02,
     ) -> None:
         super().__init__()
         self.grid_size = validate_grid_size(grid_size, ndims=(2,))
@@ -72,7 +77,8 @@ class LearnedPosEmbed(AbsolutePositionEncoding):
         self.interpolation, self.antialias = interpolation, antialias
         self.num_embed_prefix = 0 if no_embed_class else num_prefix_tokens
         num_rows = self.num_embed_prefix + self.grid_size[0] * self.grid_size[1]
-        self.pos_embed = nn.Parameter(trunc_normal_(torch.zeros(1, num_rows, dim), std=0.02))
+        check_float(init_std, "init_std", min=0.0, min_open=True)
+        self.pos_embed = nn.Parameter(trunc_normal_(torch.zeros(1, num_rows, dim), std=init_std))
 
     def resampled(self, grid_size: tuple[int, int]) -> torch.Tensor:
         """The table for ``grid_size``: (1, P_e + H W, C); the same tensor when the grid is unchanged.
