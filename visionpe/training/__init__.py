@@ -1,6 +1,6 @@
 """Training with Lightning: the :class:`Classifier` module, image-folder and frame-folder data, extrapolation sweeps.
 
-Needs the ``train`` extra (``pip install "visionpe[train]"``: Lightning, torchmetrics, matplotlib, TensorBoard).
+Needs the ``train`` extra (``pip install "visionpe[train]"``: Lightning, torchmetrics, kornia, matplotlib, TensorBoard).
 The data modules and the module plug into any Lightning project or LightningCLI config::
 
     from visionpe.training import Classifier, ImageFolderDataModule
@@ -9,10 +9,12 @@ The data modules and the module plug into any Lightning project or LightningCLI 
     trainer.fit(model, datamodule=ImageFolderDataModule("/path/to/imagenet"))
 
 :mod:`visionpe.training.evaluate` measures trained models at sizes they never saw (:func:`~.evaluate.sweep`) and
-writes the table, CSV and plot (:func:`~.evaluate.write_report`).
+writes the table, CSV and plot (:func:`~.evaluate.write_report`). With ``gpu_pipeline=True`` the data modules
+run the training augmentation batched on the GPU (:class:`~visionpe.training.gpu_augment.BatchAugment`, kornia).
 """
 
 try:
+    import kornia  # noqa: F401
     import lightning  # noqa: F401
     import torchmetrics  # noqa: F401
 except ImportError as err:
@@ -21,8 +23,9 @@ except ImportError as err:
         'pip install "visionpe[train]"'
     ) from err
 
+from .gpu_augment import BatchAugment
 from .image_folder import ImageFolderDataModule
 from .module import Classifier
 from .video_data import FrameClipDataModule
 
-__all__ = ["Classifier", "FrameClipDataModule", "ImageFolderDataModule"]
+__all__ = ["BatchAugment", "Classifier", "FrameClipDataModule", "ImageFolderDataModule"]

@@ -7,13 +7,26 @@ belong to the LightningModule (``timm.data.Mixup``). Evaluation uses timm's eval
 other size asked of :meth:`ImageFolderDataModule.eval_dataloader`. Normalisation is ImageNet's
 (:data:`IMAGENET_MEAN`, :data:`IMAGENET_STD`).
 
+**GPU pipeline** (``gpu_pipeline=True``): the DataLoader workers only decode and crop, and the augmentation runs
+batched on the batch's device in :meth:`ImageFolderDataModule.on_after_batch_transfer`
+(:class:`~visionpe.training.gpu_augment.BatchAugment`, built on kornia). Each worker reads the image size from the
+file header, draws the sample's parameters (timm's RandomResizedCrop box from the image's own size, flip,
+RandAugment ops and magnitudes, erasing box) from the sample's seed, decodes the file to uint8 and resizes the crop
+box to ``img_size`` (bicubic/bilinear with antialiasing): so the crop statistics are timm's exactly (the box is
+drawn in the original image's pixels, not in a resized copy), and batches are (B, 3, S, S) uint8, a quarter of the
+float32 bytes. When the trainer runs on CUDA and ``decode_on_device`` is true, the workers send the file bytes and
+the box instead, and :meth:`~ImageFolderDataModule.on_before_batch_transfer` decodes the batch with nvJPEG
+(``torchvision.io.decode_jpeg(device="cuda")``) and crops it there. Evaluation keeps timm's CPU eval transform.
+
 Determinism: training batches are a pure function of ``(seed, epoch)``, as for
 :class:`~visionpe.training.FrameClipDataModule`. The training sampler
 (:class:`~visionpe.training.sampling.EpochSampler`) shuffles with a generator seeded by ``(seed, epoch)`` and hands
 each sample its epoch; each sample's augmentation runs with Python's ``random``, NumPy's and torch's global RNGs
 seeded from ``(seed, epoch, index)`` (timm's transforms draw from all three) and restored afterwards. So a run
 resumed from a checkpoint sees the batches of the uninterrupted run, whatever the global RNG states,
-``num_workers`` or the number of DDP processes.
+``num_workers`` or the number of DDP processes. The GPU pipeline draws every random parameter the same way (on the
+worker, from the sample's seed; the device only applies them), so it keeps this property; its images differ from
+the CPU pipeline's (other resampling and draws), and across devices only by floating-point rounding.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from .gpu_augment import BatchAugment, _augment_batch, _collate_samples, _prepare_batch, _WorkerSamples
 from .sampling import (
     _TRAIN_STREAM,
     EpochSampler,
@@ -106,6 +120,17 @@ class _Transformed(Dataset):
                 return self.transform(image), label
 
 
+class _ImageFiles:
+    """``index -> ([path], label)`` of an ImageFolder's samples (picklable for DataLoader workers)."""
+
+    def __init__(self, samples: list[tuple[str, int]]) -> None:
+        self.samples = samples
+
+    def __call__(self, index: int) -> tuple[list[Path], int]:
+        path, label = self.samples[index]
+        return [Path(path)], label
+
+
 class ImageFolderDataModule(L.LightningDataModule):
     """ImageNet-layout ``root/train`` and ``root/val`` folders with timm's training and eval transforms.
 
@@ -125,6 +150,12 @@ class ImageFolderDataModule(L.LightningDataModule):
         eval_sizes: sides for :meth:`test_dataloader` (None: ``(img_size,)``).
         seed: seed of the training order and of every training augmentation (a pure function of
             ``(seed, epoch, index)``; the global RNGs are neither used nor changed).
+        gpu_pipeline: run the training augmentation batched on the batch's device (see the module doc); training
+            batches then leave the DataLoader as ``(x uint8, y, params)`` and become ``(x, y)`` float32 normalised in
+            :meth:`on_after_batch_transfer`. ``auto_augment`` must then be a RandAugment policy (``rand-...``) or
+            None, and ``interpolation`` one of bicubic, bilinear, random.
+        decode_on_device: with ``gpu_pipeline``, decode training JPEGs on the trainer's device when it is a CUDA
+            device (nvJPEG); otherwise the workers decode.
     """
 
     mean, std = IMAGENET_MEAN, IMAGENET_STD
@@ -142,6 +173,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         re_prob: float = 0.25,
         eval_sizes: Sequence[int] | None = None,
         seed: int = 0,
+        gpu_pipeline: bool = False,
+        decode_on_device: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(root, (str, Path)):
@@ -165,6 +198,29 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.re_prob = float(re_prob)
         self.eval_sizes = (self.img_size,) if eval_sizes is None else _check_int_tuple("eval_sizes", eval_sizes)
         self.seed = _check_int("seed", seed, minimum=0)
+        for name, flag in (("gpu_pipeline", gpu_pipeline), ("decode_on_device", decode_on_device)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} ({flag!r})")
+        self.gpu_pipeline, self.decode_on_device = gpu_pipeline, decode_on_device
+        self.augment: BatchAugment | None = None
+        if gpu_pipeline:
+            if self.interpolation == "nearest":
+                raise ValueError(
+                    "interpolation must be bicubic, bilinear or random with gpu_pipeline=True, got 'nearest'"
+                )
+            if self.auto_augment is not None and not self.auto_augment.startswith("rand"):
+                raise ValueError(
+                    f"auto_augment must be a RandAugment policy ('rand-...') or None with gpu_pipeline=True, "
+                    f"got {self.auto_augment!r}"
+                )
+            self.augment = BatchAugment(
+                self.img_size,
+                hflip=0.5,
+                rand_augment=self.auto_augment,
+                re_prob=self.re_prob,
+                mean=IMAGENET_MEAN,
+                std=IMAGENET_STD,
+            )
         self.save_hyperparameters()
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
@@ -186,7 +242,7 @@ class ImageFolderDataModule(L.LightningDataModule):
                 f"only in train/: {only_train}, only in val/: {only_val}"
             )
         self.classes, self.num_classes = train.classes, len(train.classes)
-        self._val_images = val
+        self._val_images, self._train_images = val, train
         self.train_transform = create_transform(
             self.img_size,
             is_training=True,
@@ -220,15 +276,50 @@ class ImageFolderDataModule(L.LightningDataModule):
             shuffle=False,
             drop_last=training,
             num_workers=self.num_workers,
-            collate_fn=_collate,
+            collate_fn=_collate_samples if isinstance(dataset, _WorkerSamples) else _collate,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled, augmented batches, a function of ``(seed, epoch)``; x (B, 3, img_size, img_size)."""
+        """Shuffled, augmented batches, a function of ``(seed, epoch)``; x (B, 3, img_size, img_size).
+
+        With ``gpu_pipeline`` the loader yields ``(x uint8 (B, 3, img_size, img_size), y, params)``, or the
+        encoded files when decoding on the device, and the hooks finish the batch on its device.
+        """
         self.setup()
-        return self._loader(self.train_dataset, training=True)
+        if not self.gpu_pipeline:
+            return self._loader(self.train_dataset, training=True)
+        samples = _WorkerSamples(
+            _ImageFiles(self._train_images.samples),
+            len(self._train_images),
+            self.augment,
+            self.seed,
+            self.interpolation,
+            encoded=self._decodes_on_device(),
+            clips=False,
+        )
+        return self._loader(samples, training=True)
+
+    def _decodes_on_device(self) -> bool:
+        """Whether training images are decoded on the trainer's device: a CUDA device and ``decode_on_device``."""
+        trainer = getattr(self, "trainer", None)
+        return bool(self.decode_on_device and trainer is not None and trainer.strategy.root_device.type == "cuda")
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """GPU pipeline: decode an encoded training batch on the trainer's CUDA device and crop it to img_size."""
+        if not self.gpu_pipeline or self.trainer is None:
+            return batch
+        return _prepare_batch(batch, self.trainer.strategy.root_device, self.img_size, clips=False)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """GPU pipeline: ``(x uint8, y, params)`` -> ``(x, y)`` augmented on the batch's device (B, 3, S, S) float32.
+
+        Evaluation batches and the CPU pipeline's batches pass through unchanged.
+        """
+        if not self.gpu_pipeline:
+            return batch
+        return _augment_batch(batch, self.augment, self.img_size, clips=False)
 
     def val_dataloader(self) -> DataLoader:
         """The val folder at ``img_size``; x (B, 3, img_size, img_size)."""

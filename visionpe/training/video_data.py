@@ -10,6 +10,14 @@ shorter than the ``(num_frames - 1) * stride + 1`` frames that span needs is pad
 SlowFast/PySlowFast's samplers do (clamped indices), rather than rejected: Something-Something-v2 and Kinetics both
 have short clips. A clip folder without any frame file is an error. Training clips (order, start, crop, flip) are a
 pure function of ``(seed, epoch, index)``, as the image folders' training samples are; the global RNGs are left alone.
+
+**GPU pipeline** (``gpu_pipeline=True``): as for :class:`~visionpe.training.ImageFolderDataModule`, the workers draw
+each clip's start and parameters from its seed, decode the frames to uint8 and resize the clip's one crop box of
+every frame to ``img_size`` (bilinear, antialiased), and the flip and normalisation run batched on the batch's
+device in :meth:`FrameClipDataModule.on_after_batch_transfer` (:class:`~visionpe.training.gpu_augment.BatchAugment`
+on (B, T, C, H, W), the same parameters for every frame of a clip), then the clip is laid out (B, C, T, H, W). With
+the trainer on CUDA and ``decode_on_device``, the frames are decoded with nvJPEG in
+:meth:`~FrameClipDataModule.on_before_batch_transfer` instead.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import csv
 import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -27,6 +36,7 @@ from torchvision import tv_tensors
 from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.transforms import InterpolationMode, v2
 
+from .gpu_augment import BatchAugment, _augment_batch, _collate_samples, _prepare_batch, _WorkerSamples
 from .image_folder import IMAGENET_MEAN, IMAGENET_STD
 from .sampling import (
     _TRAIN_STREAM,
@@ -152,7 +162,8 @@ class _FrameClips(Dataset):
             with _seeded_rngs(_sample_seed(self.seed, _TRAIN_STREAM, epoch, index)):
                 return self._clip(index)
 
-    def _clip(self, index: int) -> tuple[torch.Tensor, int]:
+    def frame_files(self, index: int) -> tuple[list[Path], int]:
+        """The frame files of clip ``index`` (a random start in training, from the global RNGs) and its label."""
         clip_dir, label = self.clips[index]
         files = list_frames(clip_dir)
         if not files:
@@ -161,8 +172,12 @@ class _FrameClips(Dataset):
         if self.training:
             slack = max(len(files) - ((self.num_frames - 1) * self.stride + 1), 0)
             start = int(torch.randint(slack + 1, ()))
-        chosen = frame_indices(len(files), self.num_frames, self.stride, start).tolist()
-        frames = [v2.functional.pil_to_tensor(Image.open(files[i]).convert("RGB")) for i in chosen]
+        return [files[i] for i in frame_indices(len(files), self.num_frames, self.stride, start).tolist()], label
+
+    def _clip(self, index: int) -> tuple[torch.Tensor, int]:
+        chosen, label = self.frame_files(index)
+        clip_dir = chosen[0].parent
+        frames = [v2.functional.pil_to_tensor(Image.open(path).convert("RGB")) for path in chosen]
         sizes = {tuple(frame.shape) for frame in frames}
         if len(sizes) != 1:
             raise ValueError(f"clip folder {clip_dir}: frames differ in size {sorted(sizes)}; expected one size")
@@ -195,6 +210,11 @@ class FrameClipDataModule(L.LightningDataModule):
         hflip: horizontal-flip probability for training.
         eval_frames: clip lengths for :meth:`test_dataloader` (None: ``(num_frames,)``).
         seed: seed of the training order and of every training clip's start and augmentation.
+        gpu_pipeline: crop on the workers, flip and normalise batched on the batch's device (see the module doc);
+            training batches leave the DataLoader as ``(x uint8 (B, T, 3, S, S), y, params)`` and become ``(x, y)``
+            in :meth:`on_after_batch_transfer`.
+        decode_on_device: with ``gpu_pipeline``, decode training JPEG frames on the trainer's device when it is a
+            CUDA device (nvJPEG); otherwise the workers decode.
     """
 
     mean, std = IMAGENET_MEAN, IMAGENET_STD
@@ -213,6 +233,8 @@ class FrameClipDataModule(L.LightningDataModule):
         hflip: float = 0.0,
         eval_frames: Sequence[int] | None = None,
         seed: int = 0,
+        gpu_pipeline: bool = False,
+        decode_on_device: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(root, (str, Path)):
@@ -235,6 +257,16 @@ class FrameClipDataModule(L.LightningDataModule):
             (self.num_frames,) if eval_frames is None else _check_int_tuple("eval_frames", eval_frames, minimum=1)
         )
         self.seed = _check_int("seed", seed, minimum=0)
+        for name, flag in (("gpu_pipeline", gpu_pipeline), ("decode_on_device", decode_on_device)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} ({flag!r})")
+        self.gpu_pipeline, self.decode_on_device = gpu_pipeline, decode_on_device
+        # the CPU recipe on the device: RandomResizedCrop (torchvision's ratio range, done on the workers), flip
+        self.augment = (
+            BatchAugment(self.img_size, scale=self.scale, hflip=self.hflip, rand_augment=None, re_prob=0.0)
+            if gpu_pipeline
+            else None
+        )
         self.save_hyperparameters()
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
@@ -304,15 +336,48 @@ class FrameClipDataModule(L.LightningDataModule):
             sampler=EpochSampler(len(dataset), self.seed) if training else None,
             shuffle=False,
             num_workers=self.num_workers,
-            collate_fn=_collate,
+            collate_fn=_collate_samples if isinstance(dataset, _WorkerSamples) else _collate,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled, augmented clips, a function of ``(seed, epoch)``; x (B, 3, num_frames, img_size, img_size)."""
+        """Shuffled, augmented clips, a function of ``(seed, epoch)``; x (B, 3, num_frames, img_size, img_size).
+
+        With ``gpu_pipeline`` the loader yields ``(x uint8 (B, num_frames, 3, img_size, img_size), y, params)``, or
+        the encoded frames when decoding on the device, and the hooks finish the batch on its device.
+        """
         self.setup()
-        return self._loader(self.train_dataset, training=True)
+        if not self.gpu_pipeline:
+            return self._loader(self.train_dataset, training=True)
+        trainer = getattr(self, "trainer", None)
+        encoded = self.decode_on_device and trainer is not None and trainer.strategy.root_device.type == "cuda"
+        samples = _WorkerSamples(
+            self.train_dataset.frame_files,
+            len(self.train_dataset),
+            self.augment,
+            self.seed,
+            "bilinear",
+            encoded=bool(encoded),
+            clips=True,
+        )
+        return self._loader(samples, training=True)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """GPU pipeline: decode an encoded training batch on the trainer's CUDA device and crop it to img_size."""
+        if not self.gpu_pipeline or self.trainer is None:
+            return batch
+        return _prepare_batch(batch, self.trainer.strategy.root_device, self.img_size, clips=True)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """GPU pipeline: ``(x uint8 (B, T, C, S, S), y, params)`` -> ``(x (B, C, T, S, S) float32, y)``.
+
+        Evaluation batches and the CPU pipeline's batches pass through unchanged.
+        """
+        if not self.gpu_pipeline or not isinstance(batch, (tuple, list)) or len(batch) != 3:
+            return batch
+        x, labels = _augment_batch(batch, self.augment, self.img_size, clips=True)
+        return x.transpose(1, 2), labels
 
     def val_dataloader(self) -> DataLoader:
         """Val clips, centred sampling; x (B, 3, num_frames, img_size, img_size)."""
