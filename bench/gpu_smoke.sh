@@ -9,6 +9,10 @@
 #               (default runs/gpu_results, which git ignores; copy the files into docs/benchmarks/results/ by hand)
 #   --dry-run   on CPU, one scheme at 32 px: the checks and the training-step benchmark run and write their files;
 #               the smoke benchmark only parses its options (its 20 warm-up steps need a GPU to be quick)
+#   --scenes    instead of the above, the GPU configuration of the scenes benchmark (configs/scenes/scenes_gpu.yaml,
+#               a ViT-S at 64 -> 256 px, 3,000 steps): NoPE, learned, RoPE-Axial and RoPE-Mixed on region, seed 0,
+#               about 2 minutes per model on one H100; its files are scenes_gpu.{md,csv,png} in --out. The whole
+#               sweep: python train/scenes.py --config configs/scenes/scenes_gpu.yaml --out runs/scenes_gpu
 # Other options go to bench/gpu_smoke.py.
 # On a machine that cannot reach the package registries but has PyTorch, timm and Lightning (a lent GPU box):
 #   PYTHON=python3 bash bench/gpu_smoke.sh --out "$OUT"   # no set-up; visionpe is imported from this checkout
@@ -16,12 +20,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=runs/gpu_results
 dry=0
+scenes=0
 smoke_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) out=$2; shift 2 ;;
         --out=*) out=${1#--out=}; shift ;;
         --dry-run) dry=1; shift ;;
+        --scenes) scenes=1; shift ;;
         *) smoke_args+=("$1"); shift ;;
     esac
 done
@@ -32,6 +38,19 @@ else
     PYTHON=.venv/bin/python
 fi
 mkdir -p "$out"
+if [ "$scenes" = 1 ]; then
+    scenes_args=(--schemes none learned rope_axial rope_mixed --references --tasks region --seeds 0
+                 --extrapolation none pi ntk --out "$out/scenes_gpu" --reuse --results "$out" --results-name scenes_gpu)
+    if [ "$dry" = 1 ]; then
+        # on CPU: the quick check of the pipeline with the GPU configuration's data and sizes
+        scenes_args+=(--quick)
+    fi
+    status=0
+    timeout 560 "$PYTHON" train/scenes.py --config configs/scenes/scenes_gpu.yaml "${scenes_args[@]}" 2>&1 \
+        | tee "$out/scenes_gpu.log" || status=$?
+    echo "result files in $out:" && ls "$out"
+    exit "$status"
+fi
 if grep -q -- '"--out"' bench/gpu_smoke.py; then
     smoke_args+=(--out "$out")
 fi

@@ -73,8 +73,16 @@ def scheme_options(name: str, embed_dim: int) -> dict:
     timm's 0.02: at 0.02 the table is so small next to the patch embedding of a 4 x 4 patch that the gradient
     reaching it vanishes and the model never leaves chance on the position tasks in this schedule (measured: loss
     stuck at ln 4 for 600 steps). timm's APE reference row keeps timm's own initialisation, as a reference should.
+
+    SeqPE's position network is scaled to the model as in the digits benchmark (width ``embed_dim // 2``, the
+    paper's ratio of half the model width, 2 heads): at its default width 384 its two auxiliary losses cost tens of
+    times the step of this small model.
     """
-    return {"init_std": embed_dim**-0.5} if name == "learned" else {}
+    if name == "learned":
+        return {"init_std": embed_dim**-0.5}
+    if name == "seqpe":
+        return {"embed_dim": embed_dim // 2, "encoder_heads": 2}
+    return {}
 
 
 def _scheme_args(name: str, embed_dim: int) -> list[str]:

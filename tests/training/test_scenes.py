@@ -189,6 +189,17 @@ def test_the_learned_table_starts_at_big_vision_scale():
     assert label == "learned" and abs(table.std().item() - 64**-0.5) < 0.01  # timm's 0.02 does not learn here
 
 
+def test_the_gpu_configuration_passes_the_checks(monkeypatch):
+    script = load_script("train/scenes.py")
+    monkeypatch.setattr(script, "_probe", lambda *args: None)  # a ViT-S forward at 256 px is slow on a CPU
+    config = CONFIG.replace("scenes.yaml", "scenes_gpu.yaml")
+    argv = ["--config", config, "--schemes", "learned", "rope_axial", "--references", "timm_ape"]
+    settings = script._settings(script.parse_args(argv))
+    checked = script.check_arguments(config, settings, list(TASKS), ["zoom", "canvas"])
+    assert checked["sizes"] == [64, 96, 128, 192, 256] and settings["embed_dim"] == 384
+    assert "--model.pos_embed_kwargs={init_std: 0.05103103630798288}" in checked["runs"][0][1]
+
+
 # --- the tasks are what they claim ----------------------------------------------------------------------------------
 
 
