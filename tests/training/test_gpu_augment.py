@@ -7,6 +7,7 @@ at a 1e-3 false-alarm level, and check with a control that the same threshold re
 import math
 import random
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -14,12 +15,13 @@ from PIL import Image
 from timm.data import auto_augment as timm_aa
 from timm.data.transforms import RandomResizedCropAndInterpolation
 
-from visionpe.training import FrameClipDataModule, ImageFolderDataModule
+from visionpe.training import Classifier, FrameClipDataModule, ImageFolderDataModule
 from visionpe.training.gpu_augment import (
     BatchAugment,
     RandAugmentPolicy,
     _apply_op,
     _level_arg,
+    _prepare_batch,
     parse_rand_augment,
     resized_crops,
     sample_resized_crop,
@@ -280,10 +282,6 @@ def test_bad_arguments_name_the_argument(call, error, match):
 
 
 def test_trainer_runs_the_hooks_of_the_gpu_pipeline(jpeg_folder):
-    import lightning as L
-
-    from visionpe.training import Classifier
-
     seen = []
 
     class Record(L.Callback):
@@ -308,3 +306,16 @@ def test_trainer_runs_the_hooks_of_the_gpu_pipeline(jpeg_folder):
     )
     trainer.fit(model, data)
     assert seen == [(torch.Size([2, 3, 16, 16]), torch.float32, 2)] * 2
+
+
+def test_encoded_batches_decoded_before_the_transfer_equal_worker_decoded_ones(jpeg_folder, monkeypatch):
+    # the path of a CUDA trainer (workers send file bytes, the batch is decoded before the transfer), run on the CPU
+    data = ImageFolderDataModule(jpeg_folder, img_size=16, batch_size=6, num_workers=0, gpu_pipeline=True)
+    decoded = next(iter(data.train_dataloader()))
+    monkeypatch.setattr(data, "_decodes_on_device", lambda: True)
+    encoded = next(iter(data.train_dataloader()))
+    assert isinstance(encoded[0], list) and "crop" in encoded[2]
+    prepared = _prepare_batch(encoded, torch.device("cpu"), 16, clips=False)
+    assert torch.equal(prepared[0], decoded[0])
+    first, second = data.on_after_batch_transfer(prepared, 0), data.on_after_batch_transfer(decoded, 0)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])

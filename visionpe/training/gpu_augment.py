@@ -644,8 +644,8 @@ class BatchAugment(torch.nn.Module):
         frames = 1 if x.dim() == 4 else x.shape[1]
         flat = x.reshape(batch * frames, channels, H, W)
 
-        def per_frame(value: torch.Tensor) -> torch.Tensor:
-            return value.to(flat.device).repeat_interleave(frames, dim=0)
+        def per_frame(value: torch.Tensor) -> torch.Tensor:  # CPU parameters: copied without waiting for the device
+            return value.to(flat.device, non_blocking=True).repeat_interleave(frames, dim=0)
 
         if "crop" in params:
             flat = self._crop(flat, per_frame(params["crop"]))
@@ -655,7 +655,9 @@ class BatchAugment(torch.nn.Module):
         flip = per_frame(params["flip"]).bool()[:, None, None, None]
         flat = torch.where(flip, flat.flip(-1), flat)
         if self.policy is not None:
-            flat = self._rand_augment(flat, {key: per_frame(params[key]) for key in params if key.startswith("ra_")})
+            # which rows run which op is read on the host: from CPU parameters without a device sync
+            ops = torch.where(params["ra_apply"].bool(), params["ra_op"], -1).cpu().repeat_interleave(frames, dim=0)
+            flat = self._rand_augment(flat, ops, per_frame(params["ra_level"]), per_frame(params["ra_sign"]))
         flat = normalize(flat, self.mean.to(flat.device), self.std.to(flat.device))
         flat = flat * ~self._erase_mask(per_frame(params["erase"]), per_frame(params["erase_apply"]).bool())
         out = flat.view(batch, frames, channels, self.size, self.size)
@@ -676,16 +678,18 @@ class BatchAugment(torch.nn.Module):
         out = crop_and_resize(x.float(), corners, (self.size, self.size), mode=self.interpolation)
         return out.round_().clamp_(0, 255).to(torch.uint8) if x.dtype == torch.uint8 else out
 
-    def _rand_augment(self, x: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Each layer: every op runs on the images that drew it (and whose coin said apply), with their magnitudes."""
+    def _rand_augment(
+        self, x: torch.Tensor, ops: torch.Tensor, level: torch.Tensor, sign: torch.Tensor
+    ) -> torch.Tensor:
+        """Per layer, each op runs on the images that drew it (``ops`` on the CPU, -1: none) at their magnitudes."""
         fill = self.fill.to(x.device)
-        for layer in range(params["ra_op"].shape[1]):
-            op = torch.where(params["ra_apply"][:, layer].bool(), params["ra_op"][:, layer], -1)
+        for layer in range(ops.shape[1]):
             for index, name in enumerate(self.policy.ops):
-                rows = (op == index).nonzero()[:, 0]
-                if len(rows) == 0:
+                host_rows = (ops[:, layer] == index).nonzero()[:, 0]
+                if len(host_rows) == 0:
                     continue
-                arg = _level_arg(name, params["ra_level"][rows, layer].float(), params["ra_sign"][rows, layer].float())
+                rows = host_rows.to(x.device, non_blocking=True)
+                arg = _level_arg(name, level[rows, layer].float(), sign[rows, layer].float())
                 x = x.index_copy(0, rows, _apply_op(name, x[rows], arg, fill).to(x.dtype))
         return x
 
@@ -834,19 +838,30 @@ def _collate_samples(batch: list) -> tuple[Any, torch.Tensor, dict[str, torch.Te
         return [item[0] for item in batch], *rest
 
 
+class _HostParams:
+    """Per-sample parameters kept on the CPU through Lightning's transfer (it moves tensors in dicts, not here), so
+    that :class:`BatchAugment` reads which rows run which op without waiting for the device."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        self.params = params
+
+
 def _is_device_batch(batch: Any) -> bool:
-    return isinstance(batch, (tuple, list)) and len(batch) == 3 and isinstance(batch[2], dict)
+    return isinstance(batch, (tuple, list)) and len(batch) == 3 and isinstance(batch[2], (dict, _HostParams))
 
 
 def _prepare_batch(batch: Any, device: torch.device, size: int, clips: bool) -> Any:
-    """Decode an encoded training batch on ``device`` and crop it to ``size`` (other batches pass through)."""
-    if not _is_device_batch(batch) or isinstance(batch[0], torch.Tensor):
+    """Before the transfer: decode an encoded training batch on ``device`` and crop it to ``size``, and keep the
+    parameters on the host (other batches pass through)."""
+    if not _is_device_batch(batch):
         return batch
-    encoded, labels, params = batch
-    params = dict(params)
-    modes = ["bicubic" if flag else "bilinear" for flag in params.pop("bicubic").tolist()]
-    x = decode_resized_crops(encoded, params.pop("crop"), size, device, modes)
-    return (x if clips else x[:, 0]), labels, params
+    x, labels, params = batch
+    params = dict(params.params if isinstance(params, _HostParams) else params)
+    if not isinstance(x, torch.Tensor):
+        modes = ["bicubic" if flag else "bilinear" for flag in params.pop("bicubic").tolist()]
+        x = decode_resized_crops(x, params.pop("crop"), size, device, modes)
+        x = x if clips else x[:, 0]
+    return x, labels, _HostParams(params)
 
 
 def _augment_batch(batch: Any, augment: BatchAugment, size: int, clips: bool) -> Any:
@@ -856,5 +871,5 @@ def _augment_batch(batch: Any, augment: BatchAugment, size: int, clips: bool) ->
     if not isinstance(batch[0], torch.Tensor):  # encoded and not decoded before the transfer: decode here
         batch = _prepare_batch(batch, batch[1].device, size, clips)
     x, labels, params = batch
-    params = {key: value for key, value in params.items() if key != "bicubic"}
-    return augment(x, params), labels
+    params = params.params if isinstance(params, _HostParams) else params
+    return augment(x, {key: value for key, value in params.items() if key != "bicubic"}), labels

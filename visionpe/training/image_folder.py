@@ -307,7 +307,8 @@ class ImageFolderDataModule(L.LightningDataModule):
         return bool(self.decode_on_device and trainer is not None and trainer.strategy.root_device.type == "cuda")
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """GPU pipeline: decode an encoded training batch on the trainer's CUDA device and crop it to img_size."""
+        """GPU pipeline: decode an encoded training batch on the trainer's device (CUDA) and crop it to img_size;
+        the augmentation parameters stay on the host (read there without a device sync)."""
         if not self.gpu_pipeline or self.trainer is None:
             return batch
         return _prepare_batch(batch, self.trainer.strategy.root_device, self.img_size, clips=False)
