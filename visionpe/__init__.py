@@ -4,7 +4,7 @@
 """
 
 from . import absolute, bias, camera, grid, rotary  # noqa: F401  (importing them registers every scheme)
-from .attention import PosAttention, PosBlock, PositionContext, set_attention_backend
+from .attention import PosAttention, PosBlock, PositionContext, set_attention_backend, set_rotary_backend
 from .base import AbsolutePositionEncoding, BiasPositionEncoding, PositionEncoding, RotaryPositionEncoding
 from .bias.irpe import irpe_piecewise_index
 from .grid import CoordAugment, set_coord_augment
@@ -41,6 +41,7 @@ __all__ = [
     "load_timm_state_dict",
     "set_extrapolation",
     "set_attention_backend",
+    "set_rotary_backend",
     "CoordAugment",
     "set_coord_augment",
     "fold_string_",

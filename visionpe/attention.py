@@ -47,11 +47,13 @@ from torch import nn
 from .base import BiasPositionEncoding
 from .bias.offsets import OffsetBias, offset_score_mod
 from .checks import check_choice, check_instance
+from .rotary.fused import ROTARY_BACKENDS, fused_rotate_qkv
 from .rotary.state import ChainedRotation, IdentityRotation, LayerRotation, RotaryState, split_heads
 from .tokens import gather_pairs, gather_tokens, scatter_pairs, scatter_tokens
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "ROTARY_BACKENDS",
     "GridGroup",
     "PositionContext",
     "PosAttention",
@@ -59,6 +61,7 @@ __all__ = [
     "flex_attention_available",
     "position_attention",
     "set_attention_backend",
+    "set_rotary_backend",
 ]
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
@@ -138,6 +141,8 @@ class PosAttention(Attention):
     bias_chunk_bytes: ClassVar[int] = 16 * 2**20
     #: "sdpa" (default) or "flex": see :func:`set_attention_backend`
     attn_backend: str = "sdpa"
+    # "fused": q and k rotated by one compiled kernel where the rotation has cos/sin tables (set_rotary_backend)
+    rotary_backend: str = "eager"
 
     def __init__(self, *args, layer: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -166,7 +171,10 @@ class PosAttention(Attention):
             if basis is not None:
                 rotation = rotation.without_basis()
             qkv = self.project_qkv(x.reshape(B * N, -1), basis)
-            q, k, v = rotation.rotate_qkv(qkv, B, self.num_heads, pos.keep)
+            fused = None
+            if self.rotary_backend == "fused":  # one compiled kernel for q and k where the rotation has tables
+                fused = fused_rotate_qkv(rotation, qkv, self.num_heads, pos.keep)
+            q, k, v = rotation.rotate_qkv(qkv, B, self.num_heads, pos.keep) if fused is None else fused
         else:  # q/k normalised after the projection: the rotation (P included) acts on the normalised q and k
             q, k, v = split_heads(self.qkv(x), B, self.num_heads).unbind(0)
             q, k = rotation.rotate_tokens(torch.stack((self.q_norm(q), self.k_norm(k))), pos.keep).unbind(0)
@@ -525,4 +533,43 @@ def set_attention_backend(model: nn.Module, backend: str) -> nn.Module:
     for module in model.modules():
         if isinstance(module, PosAttention):
             module.attn_backend = backend
+    return model
+
+
+def set_rotary_backend(model: nn.Module, backend: str) -> nn.Module:
+    """Rotate q and k of the rotary schemes of ``model`` by one compiled kernel (``"fused"``) or by the reference
+    eager operations (``"eager"``, the default of every model).
+
+    With ``"fused"``, a block whose rotation is by cos/sin tables (``rope_axial``, ``rope_mixed``,
+    ``string_cayley`` and ``string_circulant`` with their basis P folded into the projection, and the other schemes
+    built on :class:`~visionpe.rotary.base.LinearRotary`) rotates q and k inside the q/k/v projection output with
+    :func:`~visionpe.rotary.fused.rotate_qkv_tables` compiled by ``torch.compile``: one kernel (Triton on a GPU,
+    C++ on a CPU) for q and k of every head, products in fp32 with the fp32 tables, the result rounded once to the
+    activations' dtype. The result equals the eager path's to that rounding (bf16: about 1e-2 relative), forward
+    and gradients. The function is compiled on first use (seconds; again once when shapes first change, then with
+    dynamic shapes). Inside a model compiled with ``torch.compile`` the plain function is traced into the model's
+    graph instead (no nested compilation, no graph break).
+
+    The eager path runs instead, block by block, where there are no tables to fuse: Lie-group and ComRoPE rotations,
+    several rotary schemes in one model, q/k normalisation (``qk_norm``: the rotation then follows the norm), and
+    tracing for TorchScript or ONNX export. Patch dropout is fused: the kept tokens' rows of the tables are gathered
+    first. Rotary value embeddings rotate v and the output as in the eager path.
+
+    Args:
+        model: any module; every :class:`PosAttention` in it is switched.
+        backend: ``"fused"`` or ``"eager"`` (the default of every model).
+
+    Returns:
+        The same model.
+
+    Example:
+        >>> import timm, visionpe
+        >>> model = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed="rope_axial")
+        >>> _ = visionpe.set_rotary_backend(model, "fused")
+    """
+    check_instance(model, "model", nn.Module, expected="a torch.nn.Module")
+    check_choice(backend, "backend", ROTARY_BACKENDS)
+    for module in model.modules():
+        if isinstance(module, PosAttention):
+            module.rotary_backend = backend
     return model
