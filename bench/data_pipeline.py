@@ -3,8 +3,9 @@ same model on synthetic in-memory data (the ceiling a data pipeline can reach), 
 
 Rows (``--pipelines``, in this order): ``synthetic`` (one batch held on the device, cloned each step: no reading,
 decoding, augmentation or transfer), ``gpu`` (``ImageFolderDataModule(gpu_pipeline=True)``: workers read the files,
-nvJPEG decodes them on the GPU when ``--device cuda``, kornia augments the batch on the device) and ``cpu`` (timm's
-transforms in the workers, the default pipeline). Every row trains the same :class:`~visionpe.training.Classifier`
+nvJPEG decodes them on the GPU when ``--device cuda``, kornia augments the batch on the device), ``gpu-workers``
+(the same with ``decode_on_device=False``: the workers decode and crop) and ``cpu`` (timm's transforms in the
+workers, the default pipeline). Every row trains the same :class:`~visionpe.training.Classifier`
 (DeiT recipe: mixup, cutmix, label smoothing, AdamW) with the same Trainer settings; steps/s is counted over
 ``--steps`` steps after ``--warmup`` steps, with the device synchronised at each step's end. The target on an H200
 is ``gpu`` >= 0.90x ``synthetic``.
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.results import write_results  # noqa: E402
 from visionpe.training import Classifier, ImageFolderDataModule  # noqa: E402
 
-PIPELINES = ("synthetic", "gpu", "cpu")
+PIPELINES = ("synthetic", "gpu", "gpu-workers", "cpu")
 NUM_CLASSES = 10
 TINY_MODEL = {"img_size": 32, "patch_size": 8, "embed_dim": 32, "depth": 1, "num_heads": 2}
 
@@ -196,14 +197,15 @@ def main(argv: list[str] | None = None) -> list[list]:
                 img_size=args.img_size,
                 batch_size=args.batch_size,
                 num_workers=args.num_workers,
-                gpu_pipeline=pipeline == "gpu",
+                gpu_pipeline=pipeline != "cpu",
+                decode_on_device=pipeline == "gpu",
             )
         rate = steps_per_second(args, data)
         baseline = baseline or (rate if pipeline == "synthetic" else None)
         ratio = f"{rate / baseline:.3f}x" if baseline else "-"
         rows.append([pipeline, rate, rate * args.batch_size, ratio])
         print(f"{pipeline:10s} {rate:8.2f} steps/s {rate * args.batch_size:10.1f} images/s  {ratio}", flush=True)
-    decode = "nvJPEG on the GPU" if args.device == "cuda" else "the workers (CPU)"
+    decode = "nvJPEG on the GPU (gpu-workers: the workers)" if args.device == "cuda" else "the workers (CPU)"
     notes = (
         f"{args.model} ({args.pos_embed}{', tiny dry-run width' if args.dry_run else ''}), {args.img_size} px, "
         f"batch {args.batch_size}, {args.precision}, {args.steps} steps timed after {args.warmup}, "

@@ -18,7 +18,7 @@ def test_dry_run_on_the_cpu_writes_a_row_per_pipeline(bench, monkeypatch, tmp_pa
     argv = ["--device", "cpu", "--dry-run", "--cache", str(tmp_path / "jpegs"), "--out", str(tmp_path / "out")]
     monkeypatch.setattr("sys.argv", ["bench/data_pipeline.py", *argv])
     rows = bench.main()
-    assert [row[0] for row in rows] == ["synthetic", "gpu", "cpu"]
+    assert [row[0] for row in rows] == ["synthetic", "gpu", "gpu-workers", "cpu"]
     assert rows[0][3] == "1.000x" and all(row[1] > 0 and row[2] == pytest.approx(4 * row[1]) for row in rows)
     md = (tmp_path / "out" / "data_pipeline.md").read_text()
     assert md.startswith("Measured ") and "command: `python bench/data_pipeline.py --device cpu --dry-run" in md
@@ -26,7 +26,7 @@ def test_dry_run_on_the_cpu_writes_a_row_per_pipeline(bench, monkeypatch, tmp_pa
     with open(tmp_path / "out" / "data_pipeline.csv", newline="") as f:
         table = list(csv.reader(f))
     assert table[0] == ["pipeline", "steps/s", "images/s", "ratio to synthetic"]
-    assert [r[0] for r in table[1:]] == ["synthetic", "gpu", "cpu"] and table[1][3] == "1.000x"
+    assert [r[0] for r in table[1:]] == ["synthetic", "gpu", "gpu-workers", "cpu"] and table[1][3] == "1.000x"
     assert len(list((tmp_path / "jpegs").rglob("*.jpg"))) == 16 + (3 + 1) * 4 + 10  # images, train and val links
 
 

@@ -339,9 +339,12 @@ def resized_crops(
             raise ValueError(f"boxes: ({top}, {left}, {height}, {width}) does not fit an image of {H}x{W}")
         crop = image[..., top : top + height, left : left + width]
         frames = crop if crop.dim() == 4 else crop[None]
-        resized = F.interpolate(frames.float(), size=(size, size), mode=mode, antialias=antialias, align_corners=False)
-        if image.dtype == torch.uint8:
-            resized = resized.round_().clamp_(0, 255).to(torch.uint8)
+        if image.dtype == torch.uint8 and image.device.type == "cpu":  # torch's uint8 kernels: 5x the float path
+            resized = F.interpolate(frames, size=(size, size), mode=mode, antialias=antialias, align_corners=False)
+        else:
+            resized = F.interpolate(frames.float(), (size, size), mode=mode, antialias=antialias, align_corners=False)
+            if image.dtype == torch.uint8:
+                resized = resized.round_().clamp_(0, 255).to(torch.uint8)
         out.append(resized if crop.dim() == 4 else resized[0])
     return torch.stack(out)
 
