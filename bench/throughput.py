@@ -12,6 +12,7 @@ in the same run; timm's own RoPE ViTs (Eva) are printed as reference rows.
     .venv/bin/python bench/throughput.py --schemes string_cayley --depth  # and STRING on RGB-D (depth_coords)
     .venv/bin/python bench/throughput.py --rove           # and RoPE rotating the values too (rotate_values=True)
     .venv/bin/python bench/throughput.py --schemes alibi2d --flex  # and bias schemes on FlexAttention (GPU rows)
+    .venv/bin/python bench/throughput.py --schemes rope_axial --fused-rotary rope_axial  # and RoPE's compiled kernel
     .venv/bin/python bench/throughput.py --schemes learned_factorized --update  # one row more, the others kept
     python3 bench/throughput.py --device cuda --precision bf16 --batch 128 --steps 5 --profile  # on a GPU
 
@@ -21,6 +22,9 @@ the top of the heap goes back to the OS and the next step touches fresh pages ag
 order of allocations of the whole process (each scheme's intermediates, and the other models of the run), and on
 a virtual machine a page fault costs several microseconds. The retained heap takes that out and times the
 arithmetic and memory traffic alone (as jemalloc or tcmalloc, which PyTorch's CPU tuning guide recommends, do).
+
+``--fused-rotary`` rows run the rotary schemes named with ``set_rotary_backend(model, "fused")``: the model eager,
+q and k rotated by one kernel compiled with ``torch.compile`` (compiled during the warm-up steps, at least one).
 
 The table printed is also written to ``<--out>/throughput.md`` and ``throughput.csv`` (``bench/results.py``: the date,
 commit, versions, device and command on the first line of the Markdown file).
@@ -32,6 +36,7 @@ import argparse
 import csv
 import ctypes
 import ctypes.util
+import inspect
 import statistics
 import sys
 import time
@@ -104,6 +109,21 @@ def profile_step(
     return sum(e.count for e in events) / steps, busy / steps / 1e3
 
 
+def fusable_rotary_schemes() -> list[str]:
+    """Registered rotary schemes whose default configuration rotates q and k by cos/sin tables, the rotations that
+    ``set_rotary_backend(model, "fused")`` compiles into one kernel."""
+    from visionpe.rotary.fused import rotation_tables
+
+    names = []
+    for name in visionpe.list_schemes("rotary"):
+        takes_grid = "grid_size" in inspect.signature(visionpe.registry.get_scheme_class(name)).parameters
+        scheme = visionpe.create_pos_embed(name, dim=32, num_heads=2, **({"grid_size": (2, 3)} if takes_grid else {}))
+        state = scheme.prepare(scheme.coords((2, 3)), 1, grid_size=(2, 3))
+        if rotation_tables(state.layer(0).without_basis()) is not None:
+            names.append(name)
+    return names
+
+
 def previous_rows(out: Path) -> tuple[list[list], str]:
     """The rows of ``out/throughput.csv`` (model, images/s, ratio) and the first line of ``out/throughput.md`` (when
     and how they were measured), for ``--update``; exits when either file is missing or has profile columns."""
@@ -146,6 +166,13 @@ def main() -> None:
         default=None,
         help="also these bias schemes (none named: every one with per-offset terms) on FlexAttention "
         "(set_attention_backend(model, 'flex'); on a CPU training keeps the dense path, so these rows matter on a GPU)",
+    )
+    parser.add_argument(
+        "--fused-rotary",
+        nargs="*",
+        default=None,
+        help="also these rotary schemes (none named: every one with cos/sin tables) with q and k rotated by one "
+        "compiled kernel (set_rotary_backend(model, 'fused'); rows '<scheme> (fused)', compiled in the warm-up)",
     )
     parser.add_argument(
         "--update",
@@ -209,9 +236,21 @@ def main() -> None:
         for name in args.flex or fusable:
             model = timm.create_model("visionpe_vit_small_patch16_224", pos_embed=name, img_size=args.size, **drop)
             models[f"{name} (flex)"] = visionpe.set_attention_backend(model, "flex")
+    compiled = set()  # rows whose first step compiles: warmed up at least once, so that no round times it
+    if args.fused_rotary is not None:
+        fusable = fusable_rotary_schemes()
+        unknown = sorted(set(args.fused_rotary) - set(fusable))
+        if unknown:
+            parser.error(
+                f"--fused-rotary takes rotary schemes with cos/sin tables ({', '.join(fusable)}), got {unknown}"
+            )
+        for name in args.fused_rotary or fusable:
+            model = timm.create_model("visionpe_vit_small_patch16_224", pos_embed=name, img_size=args.size, **drop)
+            models[f"{name} (fused)"] = visionpe.set_rotary_backend(model, "fused")
+            compiled.add(f"{name} (fused)")
     for label, model in models.items():
         model.to(args.device).train()
-        for _ in range(args.warmup):
+        for _ in range(max(args.warmup, label in compiled)):
             step_time(model, images, args.precision, **inputs.get(label, {}))
 
     times: dict[str, list[float]] = {label: [] for label in models}
@@ -249,8 +288,9 @@ def main() -> None:
     threads = "" if args.device.startswith("cuda") else f", {torch.get_num_threads()} threads"
     notes = f"ViT-S/16 training step, {settings}{threads}; ratio = images/s of the model / images/s of the baseline."
     if previous is not None:
+        measured_rows = ", ".join(list(models)[1:])  # every row of this run but the baseline
         notes += (
-            f" Rows measured by this command: the baseline and {', '.join(args.schemes)}; the other "
+            f" Rows measured by this command: the baseline and {measured_rows}; the other "
             f"rows (ratios against that run's baseline) are from the previous table: {previous[1]}"
         )
     paths = write_results(

@@ -115,3 +115,37 @@ def test_update_remeasures_the_named_schemes_and_keeps_the_other_rows(bench, mon
     with pytest.raises(SystemExit):
         bench.main()
     assert "--update re-measures the schemes named by --schemes" in capsys.readouterr().err
+
+
+def test_fused_rotary_adds_compiled_rows(bench, monkeypatch, capsys, tmp_path):
+    steps, step_time = {}, bench.step_time
+
+    def counted(model, *args, **kwargs):
+        backends = {m.rotary_backend for m in model.modules() if hasattr(m, "rotary_backend")}
+        steps[frozenset(backends)] = steps.get(frozenset(backends), 0) + 1
+        return step_time(model, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "step_time", counted)
+    base = "--rounds 1 --warmup 0 --batch 1 --size 32".split()
+    args = ["--schemes", "rope_axial", "--fused-rotary", "rope_axial", *base, "--out", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", ["bench/throughput.py", *args])
+    bench.main()
+    with open(tmp_path / "throughput.csv", newline="") as f:
+        labels = [row[0] for row in csv.reader(f)][1:]
+    assert labels[-2:] == ["rope_axial", "rope_axial (fused)"]
+    # the fused row compiles on its first step: one warm-up step although --warmup 0, then the timed round
+    assert steps == {frozenset(): 3, frozenset({"eager"}): 1, frozenset({"fused"}): 2}  # timm's, rope_axial, fused
+    # --update re-measures the fused row with the others and names it among the rows it measured
+    args = ["--schemes", "none", "--fused-rotary", "rope_axial", "--update", *base, "--out", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", ["bench/throughput.py", *args])
+    bench.main()
+    with open(tmp_path / "throughput.csv", newline="") as f:
+        labels = [row[0] for row in csv.reader(f)][1:]
+    assert labels[:3] == ["timm vit_small_patch16_224 (baseline)", "none", "rope_axial (fused)"]
+    assert "rope_axial" in labels[3:]  # kept from the previous table
+    md = (tmp_path / "throughput.md").read_text()
+    assert "Rows measured by this command: the baseline and none, rope_axial (fused); the other" in md
+    monkeypatch.setattr("sys.argv", ["bench/throughput.py", "--schemes", "none", "--fused-rotary", "liere"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "--fused-rotary takes rotary schemes with cos/sin tables" in capsys.readouterr().err
