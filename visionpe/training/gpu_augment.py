@@ -402,7 +402,8 @@ def _affine(kind: str, x: torch.Tensor, value: torch.Tensor, fill: torch.Tensor)
     matrix = torch.eye(3, dtype=x.dtype, device=x.device).repeat(n, 1, 1)[:, :2]
     value = value.to(x.dtype)
     if kind == "Rotate":  # degrees, counter-clockwise about the centre (PIL's rotate)
-        center = torch.tensor([(W - 1) / 2, (H - 1) / 2], dtype=x.dtype, device=x.device).expand(n, 2)
+        # filled on the device: a tensor built from Python numbers would be a blocking host-to-device copy
+        center = torch.stack([x.new_full((n,), (W - 1) / 2), x.new_full((n,), (H - 1) / 2)], dim=1)
         matrix = get_rotation_matrix2d(center, value, torch.ones(n, 2, dtype=x.dtype, device=x.device))
     elif kind == "ShearX":  # PIL AFFINE (1, s, 0, 0, 1, 0) maps output to input: x_in = x + s y
         matrix[:, 0, 1] = -value
@@ -661,7 +662,8 @@ class BatchAugment(torch.nn.Module):
             # which rows run which op is read on the host: from CPU parameters without a device sync
             ops = torch.where(params["ra_apply"].bool(), params["ra_op"], -1).cpu().repeat_interleave(frames, dim=0)
             flat = self._rand_augment(flat, ops, per_frame(params["ra_level"]), per_frame(params["ra_sign"]))
-        flat = normalize(flat, self.mean.to(flat.device), self.std.to(flat.device))
+        mean, std = (value.to(flat.device, non_blocking=True) for value in (self.mean, self.std))
+        flat = normalize(flat, mean, std)
         flat = flat * ~self._erase_mask(per_frame(params["erase"]), per_frame(params["erase_apply"]).bool())
         out = flat.view(batch, frames, channels, self.size, self.size)
         return out[:, 0] if x.dim() == 4 else out
@@ -685,7 +687,7 @@ class BatchAugment(torch.nn.Module):
         self, x: torch.Tensor, ops: torch.Tensor, level: torch.Tensor, sign: torch.Tensor
     ) -> torch.Tensor:
         """Per layer, each op runs on the images that drew it (``ops`` on the CPU, -1: none) at their magnitudes."""
-        fill = self.fill.to(x.device)
+        fill = self.fill.to(x.device, non_blocking=True)
         for layer in range(ops.shape[1]):
             for index, name in enumerate(self.policy.ops):
                 host_rows = (ops[:, layer] == index).nonzero()[:, 0]
