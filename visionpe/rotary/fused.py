@@ -5,9 +5,9 @@ operations: in low precision, each table cast to the activations' dtype, a chann
 each a kernel with its own pass over q and k and each rounded. :func:`rotate_qkv_tables` is the same rotation
 written for ``torch.compile``: inductor turns it into one kernel (Triton on a GPU, C++ on a CPU) that reads q and k
 of every head from the projection output, rotates each pair (a, b) -> (a cos - b sin, a sin + b cos) in fp32 with
-the fp32 tables and rounds the result once to the activations' dtype. v is copied by the same compiled call, so its
-backward writes the gradient of the whole projection output in one pass (a view of the buffer would cost a
-zero-filled gradient and a sum).
+the fp32 tables and rounds the result once to the activations' dtype. v is copied by the same compiled call, so that
+the compiled backward builds the gradient of the whole projection output itself (a view of the buffer would cost a
+zero-filled gradient and a sum outside it).
 
 Attention uses it for blocks switched to ``rotary_backend="fused"`` (:func:`~visionpe.set_rotary_backend`), for
 every rotation by cos/sin tables (:func:`rotation_tables`). The function is compiled once per process (shapes
@@ -144,7 +144,7 @@ def _rotate_qkv(
         a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)
         return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).to(x.dtype)
 
-    # three separate outputs (no common base): the compiled backward then writes qkv's gradient in one pass
+    # three separate outputs (no common base): the compiled backward then builds qkv's whole gradient
     return turn(q), turn(k), v.clone(memory_format=torch.contiguous_format)
 
 
