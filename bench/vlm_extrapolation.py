@@ -11,12 +11,18 @@ to 16), video needle (train clips of up to 8 frames, evaluate up to 32). Setting
     .venv/bin/python bench/vlm_extrapolation.py --setting small --seeds 0 1 2 --jobs 2 --out runs/vlm_small
     .venv/bin/python bench/vlm_extrapolation.py --setting small --seeds 0 1 2 --jobs 2 --out runs/vlm_small --reuse
     .venv/bin/python bench/vlm_extrapolation.py --setting small --tasks grid --schemes rope_1d mrope vrope
+    .venv/bin/python bench/vlm_extrapolation.py --setting small --seeds 0 1 2 --jobs 2 --schemes cca pype \
+        --results docs/benchmarks/results --update       # measure two schemes, keep the other rows of vlm.csv
 
 Writes ``<out>/<task>.md``, ``<task>.csv``, ``<task>.png`` per task, ``summary.md`` and ``runs.csv``; each
 finished run is saved under ``<out>/results/``, and ``--reuse`` continues an interrupted benchmark from there.
 ``--results DIR`` also writes ``DIR/vlm.md`` (every task's table under one first line naming the date, commit,
 torch/timm versions, device and command, as ``bench/results.py`` heads every benchmark's file) and ``DIR/vlm.csv``
 (one row per task, scheme, seed and length); the documentation's tables are ``--results docs/benchmarks/results``.
+``--update`` (with ``--results`` and ``--schemes``) measures only the named schemes and keeps the rows of the other
+schemes from the previous ``vlm.csv`` there, after checking that they were measured with this run's setting (steps,
+questions per length, evaluation lengths) and seeds; otherwise it refuses and changes nothing. The tables of
+``vlm.md`` are then made from the merged rows, under this run's header line and the earlier run's.
 """
 
 from __future__ import annotations
@@ -31,35 +37,124 @@ sys.path.insert(0, str(ROOT))  # bench.results
 sys.path.insert(0, str(ROOT / "train"))  # the experiments package lives in train/
 
 from bench.results import header  # noqa: E402
-from experiments.vlm.benchmark import SETTINGS, run_benchmark  # noqa: E402
+from experiments.vlm.benchmark import (  # noqa: E402
+    SETTINGS,
+    BenchSetting,
+    report_markdown,
+    run_benchmark,
+    skipped_schemes,
+)
 from experiments.vlm.schemes import BENCH_SCHEMES  # noqa: E402
 from experiments.vlm.tasks import TASKS  # noqa: E402
 
+FIELDS = ["task", "scheme", "seed", "length", "acc", "n", "train_length", "steps", "train_s", "eval_s"]
+
+
+def report_rows(reports: dict) -> list[dict]:
+    """The rows of every task's CSV of a :func:`run_benchmark` call (values as the CSV holds them, strings)."""
+    rows = []
+    for paths in reports.values():
+        with paths["csv"].open(newline="") as f:
+            rows += list(csv.DictReader(f))
+    return rows
+
+
+def _order(row: dict) -> tuple:
+    tasks, schemes = list(TASKS), list(BENCH_SCHEMES)
+    return (tasks.index(row["task"]), schemes.index(row["scheme"]), int(row["seed"]), int(row["length"]))
+
 
 def write_results_files(
-    reports: dict, results_dir: str | Path, command: list[str] | None = None, name: str = "vlm"
+    rows: list[dict],
+    results_dir: str | Path,
+    command: list[str] | None = None,
+    name: str = "vlm",
+    earlier: str | None = None,
 ) -> tuple[Path, Path]:
-    """``<results_dir>/<name>.md``: the run's header line (``command``: the argv, default ``sys.argv``), then every
-    task's report; ``<name>.csv``: the rows of every task's CSV (header row first, no comments, so that it loads as
-    it is)."""
+    """``<results_dir>/<name>.md``: the run's header line (``command``: the argv, default ``sys.argv``), the earlier
+    run's (``earlier``, for rows kept by ``--update``), then every task's report made from ``rows`` (a scheme that does
+    not apply to a task gets a "not run" row); ``<name>.csv``: ``rows`` in task, scheme, seed and length order (header
+    row first, no comments, so that it loads as it is)."""
+    if not rows:
+        raise ValueError("rows must hold at least one result, got none")
+    unknown = sorted(
+        {(r["task"], r["scheme"]) for r in rows if r["task"] not in TASKS or r["scheme"] not in BENCH_SCHEMES}
+    )
+    if unknown:
+        raise ValueError(f"rows name unknown (task, scheme) pairs {unknown}")
     out = Path(results_dir)
     out.mkdir(parents=True, exist_ok=True)
+    rows = sorted(rows, key=_order)
     sections = [header("cpu", command)]  # the benchmark trains and evaluates on the CPU (train_and_evaluate)
-    rows, fields = [], None
-    for paths in reports.values():
-        text = paths["md"].read_text().strip()
-        sections.append(text.replace("# ", "## ", 1) if text.startswith("# ") else text)
-        with paths["csv"].open(newline="") as f:
-            reader = csv.DictReader(f)
-            fields = fields or reader.fieldnames
-            rows += list(reader)
+    if earlier is not None:
+        kept = sorted({r["scheme"] for r in rows if r.get("kept")}, key=list(BENCH_SCHEMES).index)
+        sections.append(f"Rows of {', '.join(kept)} kept from an earlier run (`--update`): measured {earlier}")
+    schemes = list(dict.fromkeys(r["scheme"] for r in rows))
+    for task in TASKS:
+        if any(r["task"] == task for r in rows):
+            text = report_markdown(task, rows, skipped_schemes(task, schemes)).strip()
+            sections.append(text.replace("# ", "## ", 1))
     md_path, csv_path = out / f"{name}.md", out / f"{name}.csv"
     md_path.write_text("\n\n".join(sections) + "\n")
     with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, lineterminator="\n")
+        writer = csv.DictWriter(f, fieldnames=FIELDS, lineterminator="\n", extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     return md_path, csv_path
+
+
+def previous_rows(results_dir: str | Path, name: str = "vlm") -> tuple[list[dict], str]:
+    """The rows of ``<results_dir>/<name>.csv`` and the first line of ``<name>.md`` (when and how they were measured),
+    for ``--update``; a ValueError when either file is missing or the CSV lacks a column."""
+    out = Path(results_dir)
+    csv_path, md_path = out / f"{name}.csv", out / f"{name}.md"
+    if not csv_path.is_file() or not md_path.is_file():
+        raise ValueError(
+            f"--update needs the {name}.csv and {name}.md that an earlier --results run wrote in {results_dir}, "
+            f"found {[p.name for p in (csv_path, md_path) if p.is_file()]}"
+        )
+    with csv_path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in FIELDS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{csv_path.name} lacks the columns {missing}; it has {reader.fieldnames}")
+        rows = list(reader)
+    return rows, md_path.read_text().splitlines()[0].removeprefix("Measured ")
+
+
+def check_previous_rows(
+    rows: list[dict], setting: BenchSetting, seeds: list[int], schemes: list[str], tasks: list[str]
+) -> list[dict]:
+    """The rows of the (task, scheme) pairs this run does not measure (``schemes`` x ``tasks``), after checking that
+    they come from ``setting`` and ``seeds``: for every (task, scheme), the seeds are exactly ``seeds`` and every seed
+    has the setting's evaluation lengths, steps and questions per length. A ValueError names the first difference."""
+    kept = [r for r in rows if r["scheme"] not in schemes or r["task"] not in tasks]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in kept:
+        if row["task"] not in TASKS or row["scheme"] not in BENCH_SCHEMES:
+            raise ValueError(f"previous rows name an unknown task or scheme: {row['task']!r}, {row['scheme']!r}")
+        groups.setdefault((row["task"], row["scheme"]), []).append(row)
+    for (task, scheme), group in groups.items():
+        where = f"previous rows of {scheme} on {task}"
+        got_seeds = sorted({int(r["seed"]) for r in group})
+        if got_seeds != sorted(seeds):
+            raise ValueError(f"{where} have seeds {got_seeds}, this run {sorted(seeds)}")
+        if task not in setting.steps:
+            raise ValueError(f"{where}: setting {setting.name!r} has no steps for task {task!r}")
+        for seed in got_seeds:
+            lengths = sorted(int(r["length"]) for r in group if int(r["seed"]) == seed)
+            if lengths != sorted(setting.lengths(task)):
+                raise ValueError(
+                    f"{where}, seed {seed}: lengths {lengths}, setting {setting.name!r} evaluates "
+                    f"{sorted(setting.lengths(task))}"
+                )
+        for row in group:
+            if int(row["steps"]) != setting.steps[task] or int(row["n"]) != setting.eval_samples:
+                raise ValueError(
+                    f"{where}, seed {row['seed']}: {row['steps']} steps and {row['n']} questions per length, setting "
+                    f"{setting.name!r} trains {setting.steps[task]} steps and asks {setting.eval_samples}"
+                )
+    return [{**r, "kept": True} for r in kept]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -73,7 +168,25 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, help="torch threads per run (default: cores / jobs)")
     parser.add_argument("--reuse", action="store_true", help="load runs saved under --out instead of training again")
     parser.add_argument("--results", help="also write <results>/vlm.md and vlm.csv, headed by the run's settings")
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="with --results and --schemes: measure only these schemes and keep the other schemes' rows of the "
+        "previous <results>/vlm.csv (refused unless they come from the same setting and seeds)",
+    )
     args = parser.parse_args(argv)
+    kept, earlier = [], None
+    if args.update:
+        if args.results is None or not args.schemes:
+            parser.error(
+                "--update needs --results (the folder of the previous vlm.csv) and --schemes (what to measure)"
+            )
+        try:
+            previous, earlier = previous_rows(args.results)
+            tasks = args.tasks or list(SETTINGS[args.setting].tasks)
+            kept = check_previous_rows(previous, SETTINGS[args.setting], args.seeds, args.schemes, tasks)
+        except ValueError as err:
+            parser.exit(2, f"--update refused, nothing was changed: {err}\n")
     reports = run_benchmark(
         args.setting,
         schemes=args.schemes,
@@ -86,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     if args.results is not None:
         command = sys.argv if argv is None else [__file__, *argv]
-        md_path, csv_path = write_results_files(reports, args.results, command)
+        rows = kept + report_rows(reports)
+        md_path, csv_path = write_results_files(rows, args.results, command, earlier=earlier if kept else None)
         print(f"results: {md_path}, {csv_path}")
     return reports
 

@@ -1,6 +1,7 @@
 """The multimodal extrapolation benchmark: model, Lightning module, quick setting end to end, reports."""
 
 import csv
+import re
 from dataclasses import replace
 
 import pytest
@@ -26,6 +27,9 @@ from experiments.vlm import (  # noqa: E402
     write_task_report,
 )
 from experiments.vlm.benchmark import CHANCE, markdown_table  # noqa: E402
+from experiments.vlm.model import merge_visual_tokens  # noqa: E402
+from visionpe.absolute.sincos import sincos_2d  # noqa: E402
+from visionpe.multimodal import PPERotary, cca_attention_mask, get_position_ids, pype_attention_mask  # noqa: E402
 
 from ..scripts import load_script  # noqa: E402
 
@@ -39,17 +43,25 @@ def bank():
     return DigitBank("val")
 
 
-def _batch(bank, task, lengths, video_as_images=False):
+def _batch(bank, task, lengths, video_as_images=False, tiled=False):
     gen = torch.Generator().manual_seed(0)
-    samples = [make_sample(task, bank, n, gen, training=False, video_as_images=video_as_images) for n in lengths]
+    samples = [
+        make_sample(task, bank, n, gen, training=False, video_as_images=video_as_images, tiled=tiled) for n in lengths
+    ]
     return samples, collate_samples(samples)
+
+
+NEW_DESIGNS = ("cca", "pype", "bipe", "ppe", "rope_dhr")
 
 
 @pytest.mark.parametrize("scheme", list(BENCH_SCHEMES))
 def test_every_scheme_runs_every_task_padding_invariant(bank, scheme):
     module = VLMModule(scheme).eval()
+    entry = module.scheme
     for task, lengths in (("grid", (1, 3, 2)), ("multi_image", (1, 4, 2)), ("video", (2, 5))):
-        samples, batch = _batch(bank, task, lengths, module.scheme.video_as_images)
+        if not entry.applies_to(task):
+            continue
+        samples, batch = _batch(bank, task, lengths, entry.video_as_images, entry.tiled)
         with torch.no_grad():
             batched = module(batch)
             alone = torch.cat([module(collate_samples([s])) for s in samples])
@@ -65,7 +77,8 @@ def test_every_scheme_runs_every_task_padding_invariant(bank, scheme):
         assert batched.shape == (len(lengths), module.model.config.text_config.vocab_size)
         assert torch.isfinite(batched).all()
         torch.testing.assert_close(batched, alone, rtol=0, atol=1e-5)  # left padding changes nothing
-        assert torch.equal(ours, ref)
+        if not entry.batch_options:  # BiPE's separators and RoPE-DHR's tiles come from the batch, not the adapter
+            assert torch.equal(ours, ref)
 
 
 def test_schemes_change_the_model_and_the_baseline_is_1d_rope(bank):
@@ -221,4 +234,303 @@ def test_run_benchmark_arguments(tmp_path):
         run_benchmark("quick", seeds=[-1], out_dir=tmp_path)
     with pytest.raises(ValueError, match=r"jobs must be a positive int, got 0"):
         run_benchmark("quick", jobs=0, out_dir=tmp_path)
-    assert set(SETTINGS["small"].tasks) == set(TASKS) and len(SETTINGS["small"].schemes) == 9
+    assert set(SETTINGS["small"].tasks) == set(TASKS) and len(SETTINGS["small"].schemes) == 14
+
+
+def _attention_inputs(module, batch):
+    """The logits, and what each decoder layer's attention receives: (attention_mask, (cos, sin)) per layer."""
+    seen = []
+
+    def hook(mod, args, kwargs):
+        seen.append((kwargs["attention_mask"], kwargs["position_embeddings"]))
+
+    layers = module.model.model.language_model.layers
+    hooks = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers]
+    try:
+        with torch.no_grad():
+            logits = module(batch)
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return logits, seen
+
+
+def test_cca_mask_reaches_every_attention(bank):
+    module = VLMModule("cca").eval()
+    for task, lengths in (("grid", (3, 2)), ("multi_image", (2, 3)), ("video", (3,))):
+        _, batch = _batch(bank, task, lengths)
+        _, seen = _attention_inputs(module, batch)
+        expected = cca_attention_mask(
+            batch["mm_token_type_ids"],
+            batch.get("image_grid_thw"),
+            batch.get("video_grid_thw"),
+            attention_mask=batch["attention_mask"],
+            spatial_merge_size=2,
+            dtype=seen[0][0].dtype,
+        )
+        assert len(seen) == 2 and all(torch.equal(mask, expected) for mask, _ in seen)
+        # the mask is not the causal one: a border token sees a later token of the same ring
+        causal = torch.ones_like(expected[0, 0], dtype=torch.bool).tril()
+        assert ((expected[:, 0] == 0) & ~causal).any()
+    pos = module.position_ids(batch, training=False)
+    ref, _ = get_position_ids(
+        "cca", batch["mm_token_type_ids"], None, batch["video_grid_thw"], batch["attention_mask"], pad_value=0
+    )
+    assert torch.equal(pos, ref)
+
+
+def test_pype_rotates_each_layer_with_its_own_ids(bank):
+    module = VLMModule("pype").eval()
+    assert module.scheme.options == {"interval": 1}
+    _, batch = _batch(bank, "grid", (5, 3))  # a 5 x 5 grid: 3 levels at layer 0, 2 at layer 1
+    _, seen = _attention_inputs(module, batch)
+    rotary = module.model.model.language_model.rotary_emb.rotary
+    args = (batch["mm_token_type_ids"], batch["image_grid_thw"], None, batch["attention_mask"])
+    for layer, (mask, (cos, sin)) in enumerate(seen):
+        ids, _ = get_position_ids("pype", *args, interval=1, layer=layer, pad_value=0)
+        expected_cos, expected_sin = rotary(ids, dtype=cos.dtype)
+        valid = batch["attention_mask"].bool()
+        torch.testing.assert_close(cos[valid], expected_cos[valid])
+        torch.testing.assert_close(sin[valid], expected_sin[valid])
+        expected_mask = pype_attention_mask(*args, interval=1, layer=layer, dtype=mask.dtype)
+        assert torch.equal(mask, expected_mask)
+    assert not torch.allclose(seen[0][1][0], seen[1][1][0])  # per-layer ids: the tables differ
+    assert not torch.equal(seen[0][0], seen[1][0])  # and so do the masks
+
+
+def test_bipe_segments_and_side_embedding(bank):
+    module = VLMModule("bipe").eval()
+    samples, batch = _batch(bank, "multi_image", (2, 1))
+    pos = module.position_ids(batch, training=False)
+    assert torch.equal(pos[0], pos[1]) and torch.equal(pos[1], pos[2])
+    # <bos> image <k> <vs> | image | <ve> <vs> | image | <ve> <ask>: the question ends at <vs>, each image is a segment
+    expected = [0] * 4 + [1] * 4 + [2] * 2 + [3] * 4 + [4] * 2
+    assert pos[0, 0].tolist() == expected
+    side = module.side_embedding(batch)
+    table = module.model.bipe_intra.weight
+    torch.testing.assert_close(side[0, :4], table[:4])  # the question: intra 0..3 in the learned table
+    torch.testing.assert_close(side[0, 8:10], table[:2])  # <ve> <vs>: a new sentence
+    visual = batch["mm_token_type_ids"][0] == 1
+    coords = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]] * 2, dtype=torch.float32)
+    torch.testing.assert_close(side[0][visual], sincos_2d(coords, table.shape[1]))  # fixed 2-D sin-cos per frame
+    assert (side[1][batch["attention_mask"][1] == 0] == 0).all()  # nothing at padding
+    # the model run in parts is the model's own forward plus the side embedding
+    module.side_embedding = lambda b: torch.zeros(*b["input_ids"].shape, table.shape[1])
+    with torch.no_grad():
+        parts = module(batch)
+        whole = module.model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            mm_token_type_ids=batch["mm_token_type_ids"],
+            position_ids=pos,
+            pixel_values=batch["pixel_values"],
+            image_grid_thw=batch["image_grid_thw"],
+            logits_to_keep=1,
+            use_cache=False,
+        ).logits[:, -1]
+    torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)
+    assert "bipe_intra.weight" in dict(module.model.named_parameters())
+
+
+def test_merge_visual_tokens_clusters_each_frame():
+    torch.manual_seed(0)
+    features = [torch.randn(9, 8), torch.randn(12, 8, requires_grad=True)]
+    clusters, merged = merge_visual_tokens(features, [1, 3], 0.45)
+    assert [len(c) for c in clusters] == [9, 12] and [m.shape[0] for m in merged] == [5, 6]
+    assert sorted(set(clusters[0].tolist())) == list(range(5))
+    # frames are clustered separately: 2 clusters per frame of 4 tokens, numbered frame after frame
+    assert [sorted(set(clusters[1][4 * f : 4 * f + 4].tolist())) for f in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    for c, m, x in zip(clusters, merged, features, strict=True):
+        for k in range(m.shape[0]):
+            torch.testing.assert_close(m[k], x[c == k].mean(0))
+    merged[1].sum().backward()  # the merged features are differentiable in the tower's output
+    assert features[1].grad is not None and features[1].grad.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"ratio must be a number in \(0, 1\], got 0"):
+        merge_visual_tokens(features, [1, 3], 0)
+    with pytest.raises(ValueError, match=r"features\[1\] has 12 tokens, not a multiple of frames\[1\] = 5"):
+        merge_visual_tokens(features, [1, 5], 0.5)
+
+
+def test_ppe_merges_tokens_and_keeps_k_positions(bank):
+    module = VLMModule("ppe").eval()
+    assert isinstance(module.model.model.language_model.rotary_emb.rotary, PPERotary)
+    _, batch = _batch(bank, "grid", (3, 2))  # 9 and 4 visual tokens: 5 and 2 kept
+    seen = {}
+
+    def hook(mod, args, kwargs):
+        seen.update(kwargs)
+
+    handle = module.model.model.language_model.register_forward_pre_hook(hook, with_kwargs=True)
+    with torch.no_grad():
+        module(batch)
+    handle.remove()
+    mask, ids = seen["attention_mask"], seen["position_ids"]
+    assert mask.sum(1).tolist() == [8 + 5, 8 + 2] and seen["inputs_embeds"].shape[1] == 13
+    assert ids.shape == (6, 2, 13)  # K = 2 positions per token, rows t1 t2 h1 h2 w1 w2
+    # the merged tokens carry the dense ids of two members of their cluster, as get_position_ids gives them
+    features = module.visual_features(batch)
+    clusters, _ = merge_visual_tokens(features, [1, 1], 0.45)
+    dense_clusters = torch.zeros_like(batch["input_ids"])
+    visual = batch["mm_token_type_ids"] == 1
+    dense_clusters[visual] = torch.cat(clusters)
+    dense, _ = get_position_ids(
+        "ppe",
+        batch["mm_token_type_ids"],
+        batch["image_grid_thw"],
+        None,
+        batch["attention_mask"],
+        clusters=dense_clusters,
+        num_representatives=2,
+        pad_value=0,
+    )
+    for b, count in enumerate((5, 2)):
+        kept = ids[:, b, -(2 + count) : -2]
+        starts = [int((clusters[b] == k).nonzero()[0]) for k in range(count)]
+        columns = visual[b].nonzero().flatten()[starts]
+        expected = dense[:, b, columns].T.tolist()
+        assert sorted(kept.T.tolist()) == sorted(expected)
+        assert torch.equal(ids[:, b, -2:], dense[:, b, -2:])  # the text after the image keeps its dense ids
+        rows_t = kept[:2]
+        assert (rows_t == dense[0, b, visual[b]].min()).all()  # one image: one time id
+
+
+def test_rope_dhr_tiles_reuse_the_thumbnail_ids(bank):
+    module = VLMModule("rope_dhr").eval()
+    _, batch = _batch(bank, "grid", (5,), tiled=True)  # 3 x 3 tiles and a thumbnail of 2 x 2 tokens each
+    assert batch["tile_grid"].tolist() == [[3, 3]]
+    pos = module.position_ids(batch, training=False)[0, 0]
+    visual = pos[batch["mm_token_type_ids"][0] == 1]
+    start = int(visual[0])
+    assert len(visual) == 40 and sorted(set(visual.tolist())) == list(range(start, start + 4))
+    assert visual[-4:].tolist() == list(range(start, start + 4))  # the thumbnail: raster ids
+    assert pos[-2:].tolist() == [start + 4, start + 5]  # the text after the image continues after one tile
+    with pytest.raises(ValueError, match=r"needs \['tile_grid'\] in the batch"):
+        module.position_ids({k: v for k, v in batch.items() if k != "tile_grid"}, training=False)
+    entry = get_bench_scheme("rope_dhr")
+    assert entry.applies_to("grid") and not entry.applies_to("video") and not entry.applies_to("multi_image")
+    with pytest.raises(ValueError, match=r"scheme 'rope_dhr' does not apply to task 'video': RoPE-DHR is defined"):
+        VLMTaskDataModule("video", "rope_dhr")
+    with pytest.raises(ValueError, match=r"does not apply to task 'multi_image': every image is one tile"):
+        train_and_evaluate("multi_image", "rope_dhr", 0, "quick")
+
+
+@pytest.mark.parametrize("scheme", NEW_DESIGNS)
+def test_new_designs_train_and_evaluate_end_to_end(tmp_path, scheme):
+    setting = replace(
+        SETTINGS["quick"],
+        steps={"grid": 2, "multi_image": 2, "video": 2},
+        eval_samples=4,
+        eval_lengths={"grid": (3, 5), "multi_image": (4, 8), "video": (8, 16)},
+    )
+    for task in TASKS:
+        if not get_bench_scheme(scheme).applies_to(task):
+            continue
+        rows = train_and_evaluate(task, scheme, 1, setting)
+        assert [r["length"] for r in rows] == list(setting.eval_lengths[task])
+        assert all(r["scheme"] == scheme and r["steps"] == 2 and 0 <= r["acc"] <= 100 for r in rows)
+
+
+def test_not_applicable_designs_are_reported_not_run(tmp_path, monkeypatch):
+    def fake(task, scheme, seed, setting, log_dir=None):
+        return [
+            {
+                "task": task,
+                "scheme": scheme,
+                "seed": seed,
+                "length": n,
+                "acc": 50.0,
+                "n": 4,
+                "train_length": n <= max(TASKS[task].train_lengths),
+                "steps": 2,
+                "train_s": 0.0,
+                "train_cpu_s": 0.0,
+                "eval_s": 0.0,
+            }
+            for n in setting.lengths(task)
+        ]
+
+    monkeypatch.setattr(benchmark, "train_and_evaluate", fake)
+    logged = []
+    paths = run_benchmark(
+        "quick", schemes=["rope_dhr", "mrope"], tasks=["grid", "video"], out_dir=tmp_path, log=logged.append
+    )
+    assert set(paths) == {"grid", "video"}
+    video = paths["video"]["md"].read_text()
+    assert "| rope_dhr‡ | not run | not run |" in video and "| mrope | 50.0 | 50.0 |" in video
+    assert "‡ rope_dhr is not run on this task: RoPE-DHR is defined for tiled images" in video
+    assert "rope_dhr" in paths["grid"]["md"].read_text() and "‡" not in paths["grid"]["md"].read_text()
+    assert any("video rope_dhr: not run" in line for line in logged)
+    assert not list((tmp_path / "results").glob("video_rope_dhr_*"))
+    only = run_benchmark("quick", schemes=["rope_dhr"], tasks=["video"], out_dir=tmp_path / "none", log=None)
+    assert only == {}
+
+
+def _fake_runs(monkeypatch, acc=50.0):
+    """train_and_evaluate replaced by rows of the setting (accuracy ``acc``), so that the CLI runs in no time."""
+    trained = []
+
+    def fake(task, scheme, seed, setting, log_dir=None):
+        trained.append((task, scheme, seed))
+        return [
+            {
+                "task": task,
+                "scheme": scheme,
+                "seed": seed,
+                "length": n,
+                "acc": acc,
+                "n": setting.eval_samples,
+                "train_length": n <= max(TASKS[task].train_lengths),
+                "steps": setting.steps[task],
+                "train_s": 1.0,
+                "train_cpu_s": 1.0,
+                "eval_s": 0.1,
+            }
+            for n in setting.lengths(task)
+        ]
+
+    monkeypatch.setattr(benchmark, "train_and_evaluate", fake)
+    return trained
+
+
+def test_update_measures_the_named_schemes_and_keeps_the_others(tmp_path, monkeypatch, capsys):
+    results = str(tmp_path / "docs")
+    base = ["--setting", "quick", "--tasks", "grid", "video", "--seeds", "0", "1", "--threads", "1"]
+    _fake_runs(monkeypatch, acc=40.0)
+    _script().main([*base, "--schemes", "mrope", "cca", "--out", str(tmp_path / "a"), "--results", results])
+    before = list(csv.DictReader((tmp_path / "docs" / "vlm.csv").open()))
+    assert {r["scheme"] for r in before} == {"mrope", "cca"}
+    trained = _fake_runs(monkeypatch, acc=70.0)
+    update = [*base, "--schemes", "cca", "rope_dhr", "--out", str(tmp_path / "b"), "--results", results, "--update"]
+    _script().main(update)
+    assert {run[1] for run in trained} == {"cca", "rope_dhr"} and ("video", "rope_dhr", 0) not in trained
+    after = list(csv.DictReader((tmp_path / "docs" / "vlm.csv").open()))
+    assert [r for r in after if r["scheme"] == "mrope"] == [r for r in before if r["scheme"] == "mrope"]
+    assert {float(r["acc"]) for r in after if r["scheme"] in ("cca", "rope_dhr")} == {70.0}
+    assert [r["scheme"] for r in after if r["task"] == "grid" and r["seed"] == "0" and r["length"] == "3"] == [
+        "mrope",
+        "cca",
+        "rope_dhr",
+    ]  # the benchmark's scheme order
+    text = (tmp_path / "docs" / "vlm.md").read_text()
+    first, _, second = text.splitlines()[:3]
+    assert first.startswith("Measured ") and "--update" in first
+    assert second.startswith("Rows of mrope kept from an earlier run (`--update`): measured ")
+    assert "| mrope | 40.0 ± 0.0 | 40.0 ± 0.0 | 40.0 ± 0.0 |" in text and "| cca | 70.0 ± 0.0 |" in text
+    assert "| rope_dhr‡ | not run | not run | not run |" in text  # not applicable to the video task
+    # rows of another setting or other seeds are not merged: refused, nothing written
+    for argv, match in (
+        ([*base[:6], "2", *base[7:]], r"previous rows of mrope on grid have seeds \[0, 1\], this run \[1, 2\]"),
+        (["--setting", "small", *base[2:]], r"mrope on grid, seed 0: lengths \[3, 6\], setting 'small' evaluates"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            _script().main([*argv, "--schemes", "cca", "--out", str(tmp_path / "c"), "--results", results, "--update"])
+        assert exit_info.value.code == 2
+        assert re.search(match, capsys.readouterr().err)
+        assert (tmp_path / "docs" / "vlm.md").read_text() == text
+    with pytest.raises(ValueError, match=r"mrope on grid, seed 0: 250 steps and 100 questions per length, setting"):
+        rows = [{**r, "steps": "250"} for r in after]
+        _script().check_previous_rows(rows, replace(SETTINGS["quick"], steps={"grid": 9, "video": 9}), [0, 1], [], [])
+    with pytest.raises(ValueError, match=r"--update needs the vlm.csv and vlm.md that an earlier --results run wrote"):
+        _script().previous_rows(tmp_path / "nothing")
+    with pytest.raises(SystemExit):
+        _script().main([*base, "--update", "--out", str(tmp_path / "d")])  # --update needs --results and --schemes

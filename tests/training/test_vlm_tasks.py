@@ -19,6 +19,7 @@ from experiments.vlm.tasks import (
     make_video_sample,
     patchify,
     sample_seed,
+    tile_image,
 )
 
 
@@ -270,3 +271,57 @@ def test_collate_left_pads_and_keeps_order(bank):
 def test_errors_name_the_argument(bank, call, error, match):
     with pytest.raises(error, match=match):
         call(bank)
+
+
+@pytest.mark.parametrize(
+    "rows, cols, tiles", [(1, 2, (1, 1)), (2, 2, (1, 1)), (3, 1, (1, 2)), (2, 3, (2, 1)), (6, 5, (3, 3))]
+)
+def test_tiled_grid_is_tiles_and_a_thumbnail(bank, rows, cols, tiles):
+    plain = make_grid_sample(bank, rows, cols, gen(3))
+    s = make_grid_sample(bank, rows, cols, gen(3), tiled=True)
+    assert s.tile_grid.tolist() == [list(tiles)] and s.answer == plain.answer and s.info == plain.info
+    assert torch.equal(s.digit_indices, plain.digit_indices)
+    image = unpatchify(plain.pixel_values, 1, 2 * rows, 2 * cols)[0]
+    across, down = tiles
+    if across * down == 1:  # within one tile: the image as it is
+        assert s.image_grid_thw.tolist() == plain.image_grid_thw.tolist()
+        assert torch.equal(s.pixel_values, plain.pixel_values) and torch.equal(s.input_ids, plain.input_ids)
+        return
+    count_tiles = across * down + 1
+    assert s.image_grid_thw.tolist() == [[count_tiles, 4, 4]]
+    assert count(s.input_ids, "<img>") == 4 * count_tiles
+    assert s.mm_token_type_ids.tolist() == [1 if t == TOKENS["<img>"] else 0 for t in s.input_ids.tolist()]
+    frames = unpatchify(s.pixel_values, count_tiles, 4, 4)
+    # the tiles, row-major, are the image padded with empty cells (background) to whole tiles
+    padded = torch.full((down * FRAME_PX, across * FRAME_PX), normalized(torch.tensor(0)).item())
+    padded[: rows * CELL_PX, : cols * CELL_PX] = image
+    tiled = padded.view(down, FRAME_PX, across, FRAME_PX).permute(0, 2, 1, 3).reshape(-1, FRAME_PX, FRAME_PX)
+    torch.testing.assert_close(frames[:-1], tiled)
+    # the thumbnail is the whole padded image at the size of one tile
+    thumbnail = torch.nn.functional.interpolate(
+        padded[None, None], size=(FRAME_PX, FRAME_PX), mode="bilinear", antialias=True
+    )
+    assert (frames[-1] - thumbnail[0, 0]).abs().max() < 0.05
+
+
+def test_tiled_datasets_and_batches(bank):
+    data = TaskDataset("grid", bank, [1, 2, 3], 12, seed=0, training=True, tiled=True)
+    batch = collate_samples([data[i] for i in range(12)])
+    assert batch["tile_grid"].shape == (12, 2) and (batch["tile_grid"] >= 1).all()
+    tiles = batch["tile_grid"].prod(1)
+    assert torch.equal(batch["image_grid_thw"][:, 0], torch.where(tiles > 1, tiles + 1, 1))
+    assert (tiles > 1).any() and (tiles == 1).any()  # training grids up to 3 x 3: with and without tiles
+    evaluation = TaskDataset("grid", bank, [6], 2, seed=0, training=False, tiled=True)
+    assert evaluation[0].tile_grid.tolist() == [[3, 3]]
+    with pytest.raises(ValueError, match=r"tiled applies to the grid task only, got task 'video'"):
+        TaskDataset("video", bank, [4], 2, seed=0, training=True, tiled=True)
+    with pytest.raises(ValueError, match=r"tiled applies to the grid task only .*got task 'multi_image'"):
+        make_sample("multi_image", bank, 2, gen(), training=False, tiled=True)
+    with pytest.raises(ValueError, match=r"samples must be all tiled or all untiled, got tile_grid on 1 of 2"):
+        collate_samples([make_grid_sample(bank, 3, 3, gen(), tiled=True), make_grid_sample(bank, 3, 3, gen())])
+    with pytest.raises(TypeError, match=r"tiled must be a bool, got int"):
+        make_grid_sample(bank, 3, 3, gen(), tiled=1)
+    with pytest.raises(ValueError, match=r"image must have H and W divisible by the cell size 14, got \(14, 20\)"):
+        tile_image(torch.zeros(14, 20, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"image must be an \(H, W\) uint8 tensor"):
+        tile_image(torch.zeros(28, 28))

@@ -7,7 +7,7 @@ papers' training settings), ``model`` (the tiny Qwen2-VL), ``module`` / ``data``
 
 from .benchmark import SETTINGS, BenchSetting, run_benchmark, train_and_evaluate, write_task_report
 from .data import VLMTaskDataModule
-from .model import MODEL_SIZES, VLMSize, build_tiny_vlm
+from .model import MODEL_SIZES, VLMSize, build_tiny_vlm, merge_visual_tokens
 from .module import VLMModule
 from .schemes import BENCH_SCHEMES, DEFAULT_SCHEMES, BenchScheme, get_bench_scheme
 from .tasks import (
@@ -23,6 +23,7 @@ from .tasks import (
     make_sample,
     make_video_sample,
     patchify,
+    tile_image,
 )
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "MODEL_SIZES",
     "VLMSize",
     "build_tiny_vlm",
+    "merge_visual_tokens",
     "VLMModule",
     "VLMTaskDataModule",
     "TASKS",
@@ -52,4 +54,5 @@ __all__ = [
     "make_sample",
     "make_video_sample",
     "patchify",
+    "tile_image",
 ]

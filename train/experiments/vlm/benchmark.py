@@ -12,15 +12,17 @@ Settings (:data:`SETTINGS`):
 
 - ``quick``: rope_1d and mrope on the video needle, 250 steps, 100 questions at 8 and 16 frames. Used by the
   test suite; 45-60 s on 2 cores (39 s of CPU), about 90 % at 8 frames for both schemes.
-- ``small``: the 9 schemes x 3 tasks; grid 2,500 steps, multi-image 1,500, video 600 (batch 32 each, i.e. 80k,
-  48k and 19k training questions); 200 held-out questions per length; model as above (124k parameters, 35k of
-  them in the vision tower).
+- ``small``: every scheme x the 3 tasks (the 14 schemes of :data:`~experiments.vlm.schemes.BENCH_SCHEMES`;
+  RoPE-DHR on the grid task only, see its ``not_applicable``); grid 2,500 steps, multi-image 1,500, video 600
+  (batch 32 each, i.e. 80k, 48k and 19k training questions); 200 held-out questions per length; model as above
+  (124k parameters, 35k of them in the vision tower).
 
 Sizing, measured on the project's 2-core machine while other processes used most of it, so wall-clock times
 were 2-3x the CPU times; CPU time is what a run takes on an idle core. One training run (one thread, Lightning
 included): grid 2,500 steps 76-89 s CPU (30-35 ms per step), multi-image 1,500 steps 68 s (2,000 steps: 91 s),
-video 600 steps 38-48 s; evaluation 1-6 s. So one seed of ``small`` is about 9 x 210 s = 1,900 s of CPU, about
-16 minutes with ``--jobs 2`` on an otherwise idle 2-core machine, and 3 seeds about 48 minutes.
+video 600 steps 38-48 s; evaluation 1-6 s. So one seed of the first nine schemes is about 9 x 210 s = 1,900 s of
+CPU, about 16 minutes with ``--jobs 2`` on an otherwise idle 2-core machine, and 3 seeds about 48 minutes. PPE's
+merging costs more: its multi-image run took 112 s of CPU (1,500 steps).
 
 Outputs (:func:`run_benchmark`): ``<out>/<task>.md`` (table, mean ± std over seeds), ``<task>.csv`` (one row per
 task, scheme, seed and length), ``<task>.png`` (accuracy against length, one line per scheme, a band of ± one
@@ -62,7 +64,9 @@ __all__ = [
     "train_and_evaluate",
     "run_benchmark",
     "write_task_report",
+    "report_markdown",
     "markdown_table",
+    "skipped_schemes",
 ]
 
 CHANCE = 10.0  # % : ten digits
@@ -163,6 +167,10 @@ def train_and_evaluate(
         raise ValueError(f"task must be one of {sorted(TASKS)}, got {task!r}")
     if scheme not in BENCH_SCHEMES:
         raise ValueError(f"scheme must be one of {list(BENCH_SCHEMES)}, got {scheme!r}")
+    if not BENCH_SCHEMES[scheme].applies_to(task):
+        raise ValueError(
+            f"scheme {scheme!r} does not apply to task {task!r}: {BENCH_SCHEMES[scheme].not_applicable[task]}"
+        )
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     if task not in setting.steps:
@@ -251,9 +259,15 @@ def _summarize(rows: Iterable[dict]) -> dict[str, dict[int, tuple[float, float, 
     return summarize(rows, group="scheme", by="length")
 
 
-def markdown_table(task: str, rows: Sequence[dict]) -> str:
+def skipped_schemes(task: str, schemes: Iterable[str]) -> list[str]:
+    """The schemes among ``schemes`` that do not apply to ``task`` (not run; their table row says so)."""
+    return [s for s in schemes if not BENCH_SCHEMES[s].applies_to(task)]
+
+
+def markdown_table(task: str, rows: Sequence[dict], skipped: Sequence[str] = ()) -> str:
     """Accuracy table of one task: a row per scheme, a column per length (``*`` = within the training
-    range), and the mean over the lengths beyond training; mean ± std over seeds when there are several."""
+    range), and the mean over the lengths beyond training; mean ± std over seeds when there are several.
+    ``skipped``: schemes that do not apply to the task, one row each marked ``‡`` with "not run" in every cell."""
     summary = _summarize(rows)
     lengths = sorted({int(r["length"]) for r in rows})
     train_max = max(TASKS[task].train_lengths)
@@ -277,24 +291,21 @@ def markdown_table(task: str, rows: Sequence[dict]) -> str:
             cells.append(cell(statistics.fmean(means), statistics.stdev(means) if len(means) > 1 else 0.0, len(means)))
         note = "†" if task == "video" and BENCH_SCHEMES[scheme].video_as_images else ""
         lines.append(f"| {scheme}{note} | " + " | ".join(cells) + " |")
+    for scheme in skipped:
+        lines.append(f"| {scheme}‡ | " + " | ".join(["not run"] * len(header)) + " |")
     return "\n".join(lines)
 
 
-def write_task_report(task: str, rows: Sequence[dict], out_dir: str | Path) -> dict[str, Path]:
-    """Write ``<task>.md``, ``<task>.csv`` and ``<task>.png`` under ``out_dir``; return their paths."""
+def report_markdown(task: str, rows: Sequence[dict], skipped: Sequence[str] = ()) -> str:
+    """The Markdown report of one task: title, protocol line, table (:func:`markdown_table`) and its notes."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {sorted(TASKS)}, got {task!r}")
     rows = [r for r in rows if r["task"] == task]
     if not rows:
         raise ValueError(f"rows hold no result for task {task!r}")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {kind: out_dir / f"{task}.{kind}" for kind in ("md", "csv", "png")}
+    unknown = [s for s in skipped if s not in BENCH_SCHEMES or BENCH_SCHEMES[s].applies_to(task)]
+    if unknown:
+        raise ValueError(f"skipped must name schemes that do not apply to task {task!r}, got {unknown}")
     spec = TASKS[task]
     seeds = sorted({int(r["seed"]) for r in rows})
     n = rows[0]["n"]
@@ -305,11 +316,33 @@ def write_task_report(task: str, rows: Sequence[dict], out_dir: str | Path) -> d
         + (f"mean ± std over seeds {seeds}" if len(seeds) > 1 else f"seed {seeds[0]}")
         + f"; chance {CHANCE:.0f} %. `*`: within the training range.",
         "",
-        markdown_table(task, rows),
+        markdown_table(task, rows, skipped),
     ]
     if task == "video" and any(BENCH_SCHEMES[r["scheme"]].video_as_images for r in rows):
         notes += ["", "† Circle-RoPE is defined for images: its frames are given as consecutive images."]
-    paths["md"].write_text("\n".join(notes) + "\n")
+    for scheme in skipped:
+        notes += ["", f"‡ {scheme} is not run on this task: {BENCH_SCHEMES[scheme].not_applicable[task]}."]
+    return "\n".join(notes) + "\n"
+
+
+def write_task_report(
+    task: str, rows: Sequence[dict], out_dir: str | Path, skipped: Sequence[str] = ()
+) -> dict[str, Path]:
+    """Write ``<task>.md`` (:func:`report_markdown`), ``<task>.csv`` and ``<task>.png`` under ``out_dir``; return
+    their paths. ``skipped``: schemes that do not apply to the task (a "not run" row and a note in the table)."""
+    text = report_markdown(task, rows, skipped)
+    rows = [r for r in rows if r["task"] == task]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {kind: out_dir / f"{task}.{kind}" for kind in ("md", "csv", "png")}
+    spec = TASKS[task]
+    seeds = sorted({int(r["seed"]) for r in rows})
+    paths["md"].write_text(text)
     fields = ["task", "scheme", "seed", "length", "acc", "n", "train_length", "steps", "train_s", "eval_s"]
     with paths["csv"].open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
@@ -318,13 +351,13 @@ def write_task_report(task: str, rows: Sequence[dict], out_dir: str | Path) -> d
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     summary = _summarize(rows)
-    cmap = plt.get_cmap("tab10")
+    cmap = plt.get_cmap("tab20")
     for i, (scheme, by_length) in enumerate(summary.items()):
         lengths = list(by_length)
         means = [by_length[x][0] for x in lengths]
         stds = [by_length[x][1] for x in lengths]
         style = "--" if scheme == "rope_1d" else "-"
-        color = "black" if scheme == "rope_1d" else cmap(i % 10)
+        color = "black" if scheme == "rope_1d" else cmap(i % 20)
         ax.plot(lengths, means, style, marker="o", color=color, label=scheme)
         ax.fill_between(
             lengths,
@@ -388,8 +421,9 @@ def run_benchmark(
             so an interrupted benchmark continues where it stopped.
 
     Returns:
-        {task: {"md": path, "csv": path, "png": path}}; ``out_dir`` also gets ``runs.csv`` (time per run) and
-        ``summary.md``.
+        {task: {"md": path, "csv": path, "png": path}} of every task with a run; ``out_dir`` also gets ``runs.csv``
+        (time per run) and ``summary.md``. A (task, scheme) to which the scheme does not apply
+        (:meth:`~experiments.vlm.schemes.BenchScheme.applies_to`) is not run, and the task's table says so.
     """
     setting = get_setting(setting)
     schemes = list(setting.schemes if schemes is None else schemes)
@@ -409,7 +443,16 @@ def run_benchmark(
     log = log or (lambda line: None)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runs = [(task, scheme, seed) for seed in seeds for task in tasks for scheme in schemes]
+    runs = [
+        (task, scheme, seed)
+        for seed in seeds
+        for task in tasks
+        for scheme in schemes
+        if BENCH_SCHEMES[scheme].applies_to(task)
+    ]
+    for task in tasks:
+        for scheme in skipped_schemes(task, schemes):
+            log(f"{task} {scheme}: not run, {BENCH_SCHEMES[scheme].not_applicable[task]}")
     results_dir = out_dir / "results"
     results_dir.mkdir(exist_ok=True)
 
@@ -426,8 +469,8 @@ def run_benchmark(
             rows += saved
     log(
         f"{len(runs)} runs ({setting.name} setting: {len(tasks)} tasks x {len(schemes)} schemes x {len(seeds)} "
-        f"seeds), {len(runs) - len(todo)} of them loaded from an earlier call, {jobs} job(s) x {threads} "
-        f"thread(s), output in {out_dir}"
+        f"seeds, the combinations that apply), {len(runs) - len(todo)} of them loaded from an earlier call, "
+        f"{jobs} job(s) x {threads} thread(s), output in {out_dir}"
     )
     start = time.perf_counter()
 
@@ -472,7 +515,9 @@ def run_benchmark(
             writer.writerow({k: first[k] for k in writer.fieldnames})
     paths, tables = {}, []
     for task in tasks:
-        paths[task] = write_task_report(task, rows, out_dir)
+        if not any(r["task"] == task for r in rows):
+            continue  # no requested scheme applies to this task (logged above)
+        paths[task] = write_task_report(task, rows, out_dir, skipped_schemes(task, schemes))
         tables.append(paths[task]["md"].read_text())
     (out_dir / "summary.md").write_text("\n".join(tables))
     log("\n" + "\n".join(tables))

@@ -33,7 +33,8 @@ class VLMTaskDataModule(L.LightningDataModule):
 
     Args:
         task: ``grid``, ``multi_image`` or ``video``.
-        scheme: the benchmark scheme (only matters for schemes that take video frames as images).
+        scheme: the benchmark scheme (only matters for schemes that take video frames as images or tiled images);
+            a scheme that does not apply to ``task`` is a ValueError.
         batch_size: training batch size.
         num_train_samples: training samples (= steps x batch size for one pass).
         num_eval_samples: samples per evaluation length.
@@ -68,6 +69,8 @@ class VLMTaskDataModule(L.LightningDataModule):
             raise ValueError(f"task must be one of {sorted(TASKS)}, got {task!r}")
         self.task, self.spec = task, TASKS[task]
         self.scheme = get_bench_scheme(scheme)
+        if not self.scheme.applies_to(task):
+            raise ValueError(f"scheme {scheme!r} does not apply to task {task!r}: {self.scheme.not_applicable[task]}")
         for name, value, minimum in (
             ("batch_size", batch_size, 1),
             ("num_train_samples", num_train_samples, 1),
@@ -119,6 +122,7 @@ class VLMTaskDataModule(L.LightningDataModule):
             self.seed,
             training=True,
             video_as_images=self.scheme.video_as_images,
+            tiled=self.scheme.tiled,
         )
 
     def eval_dataset(self, length: int) -> TaskDataset:
@@ -131,6 +135,7 @@ class VLMTaskDataModule(L.LightningDataModule):
             self.seed,
             training=False,
             video_as_images=self.scheme.video_as_images,
+            tiled=self.scheme.tiled,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -4,20 +4,30 @@ The network is transformers' ``Qwen2VLForConditionalGeneration`` as it is: its v
 vision blocks with 2-D rotary, 2 x 2 patch merger), its decoder and its LM head, only small. The vocabulary is
 the task vocabulary of :mod:`experiments.vlm.tasks`. :func:`~visionpe.integrations.hf.apply_position_scheme`
 then replaces the decoder's position design and rotary allocation with the chosen scheme.
+
+Two designs add to the network: BiPE an intra-segment embedding table (``model.bipe_intra``, 1,024 x hidden, as
+released), PPE a token-merging step after the vision tower (:func:`merge_visual_tokens`, no parameters) and the
+rotary tables of its K positions per token (:class:`~visionpe.multimodal.PPERotary` in the language model's
+rotary embedding). The Lightning module (:mod:`experiments.vlm.module`) feeds them.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from torch import nn
 
 from visionpe.integrations.hf import apply_position_scheme
+from visionpe.multimodal import PPERotary
+from visionpe.multimodal.bipe import BIPE_MAX_INTRA
 
 from .schemes import get_bench_scheme
 from .tasks import PATCH_SIZE, SPATIAL_MERGE_SIZE, TOKENS, VOCAB_SIZE
 
-__all__ = ["VLMSize", "MODEL_SIZES", "build_tiny_vlm"]
+__all__ = ["VLMSize", "MODEL_SIZES", "build_tiny_vlm", "merge_visual_tokens"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +139,91 @@ def build_tiny_vlm(scheme: str = "mrope", size: VLMSize | None = None, seed: int
         torch.manual_seed(seed)
         model = transformers.Qwen2VLForConditionalGeneration(config)
     apply_position_scheme(model, entry.scheme, **entry.options)
+    if entry.side_embedding:  # BiPE's intra-segment table for text, initialised as the token embeddings
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 1)
+            model.bipe_intra = nn.Embedding(BIPE_MAX_INTRA, size.hidden_size)
+            nn.init.normal_(model.bipe_intra.weight, std=config.text_config.initializer_range)
+    if entry.scheme == "ppe":
+        # The adapter's rotary reads 3 rows; PPE's ids have 3K. Its cos/sin come from PPERotary with the model's
+        # base and sections (the adapter keeps the model's own (t, h, w) sections for the chunked allocation).
+        wrapper = model.model.language_model.rotary_emb
+        wrapper.rotary = PPERotary(
+            head_dim,
+            base=float(size.rope_theta),
+            num_representatives=entry.options.get("num_representatives", 1),
+            mrope_section=_chunked_section(head_dim // 2),
+        )
     model.bench_scheme = entry
     model.bench_size = asdict(size)
     return model
+
+
+def _dpc_knn(x: torch.Tensor, num_clusters: int, neighbours: int) -> torch.Tensor:
+    """(G, N) cluster index in [0, num_clusters) of G groups of N tokens (G, N, D): DPC-kNN as Chat-UniVi's CTM.
+
+    Density exp(-mean squared distance to the ``neighbours`` nearest tokens, itself included), distance to the
+    nearest denser token (the largest distance for the densest), the ``num_clusters`` tokens of highest
+    density x distance are the centres (in that order), and every token joins its nearest centre. Ties in density
+    are broken by index (the released code adds noise of 1e-6) so that clustering is deterministic.
+    """
+    groups, count, dim = x.shape
+    dist = torch.cdist(x.float(), x.float()) / math.sqrt(dim)
+    nearest = dist.topk(min(neighbours, count), dim=-1, largest=False).values
+    density = (-(nearest**2).mean(-1)).exp()
+    density = density + 1e-6 * torch.arange(count, device=x.device) / count
+    denser = density[:, None, :] > density[:, :, None]  # [g, i, j]: token j is denser than token i
+    far = dist.flatten(1).amax(-1)[:, None, None].expand_as(dist)
+    spread = torch.where(denser, dist, far).amin(-1)
+    centres = (spread * density).topk(num_clusters, dim=-1).indices  # (G, M)
+    to_centre = dist.gather(1, centres[:, :, None].expand(-1, -1, count))  # (G, M, N)
+    cluster = to_centre.argmin(1)
+    cluster.scatter_(1, centres, torch.arange(num_clusters, device=x.device).expand(groups, -1))
+    return cluster
+
+
+def merge_visual_tokens(
+    features: Sequence[torch.Tensor], frames: Sequence[int], ratio: float, neighbours: int = 5
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Merge the visual tokens of each image or video frame as PPE's released code does before the language model.
+
+    Args:
+        features: one (N_b, D) tensor per visual block (image or video), in the order of the batch's grids.
+        frames: the frames of each block (1 for an image); a block's tokens are frame after frame.
+        ratio: the fraction of each frame's tokens kept: ``ceil(ratio * n)`` clusters of a frame of n tokens.
+        neighbours: k of the DPC-kNN density (5 in the released code).
+
+    Returns:
+        ``clusters``: per block, (N_b,) the cluster of each token, numbered per block (frame after frame);
+        ``merged``: per block, (M_b, D) the mean feature of each cluster (differentiable in ``features``).
+
+    Example:
+        >>> feats = torch.tensor([[0.0, 0.0], [0.0, 0.1], [5.0, 5.0], [5.1, 5.0]])
+        >>> clusters, merged = merge_visual_tokens([feats], [1], 0.5)
+        >>> clusters[0].tolist(), merged[0].shape
+        ([1, 1, 0, 0], torch.Size([2, 2]))
+    """
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(f"ratio must be a number in (0, 1], got {ratio!r}")
+    if isinstance(neighbours, bool) or not isinstance(neighbours, int) or neighbours < 1:
+        raise ValueError(f"neighbours must be a positive int, got {neighbours!r}")
+    if not isinstance(features, Sequence) or not all(isinstance(f, torch.Tensor) and f.ndim == 2 for f in features):
+        raise TypeError("features must be a sequence of (N, D) tensors, one per visual block")
+    if len(frames) != len(features):
+        raise ValueError(f"frames must give one count per block: {len(features)} blocks, got {len(frames)} counts")
+    clusters, merged = [], []
+    for b, (block, num_frames) in enumerate(zip(features, frames, strict=True)):
+        if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1:
+            raise ValueError(f"frames[{b}] must be a positive int, got {num_frames!r}")
+        if block.shape[0] % num_frames:
+            raise ValueError(f"features[{b}] has {block.shape[0]} tokens, not a multiple of frames[{b}] = {num_frames}")
+        per_frame = block.shape[0] // num_frames
+        kept = max(1, math.ceil(ratio * per_frame))
+        with torch.no_grad():
+            local = _dpc_knn(block.detach().view(num_frames, per_frame, -1), kept, neighbours)
+        cluster = (local + kept * torch.arange(num_frames, device=block.device)[:, None]).flatten()
+        count = torch.bincount(cluster, minlength=kept * num_frames).to(block.dtype)
+        sums = block.new_zeros(kept * num_frames, block.shape[1]).index_add(0, cluster, block)
+        clusters.append(cluster)
+        merged.append(sums / count[:, None])
+    return clusters, merged

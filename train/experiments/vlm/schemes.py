@@ -16,6 +16,33 @@ a sampler of per-sample options:
   (same pixels, same tokens) and the scheme places them as its paper places several images.
 - The others use their registered defaults (``videorope`` delta = 2, ``mrope_interleaved`` and ``mhrope``
   without spatial reset, as released).
+
+Five designs need more than ids from the token types and grids; each gets the inputs it needs:
+
+- ``cca`` (Xing et al., NeurIPS 2024): concentric ids and its intra-image attention mask. The adapter
+  (``apply_position_scheme``) builds the (B, 1, L, L) additive mask from the 2-D attention mask, the token types
+  and the grids on every forward, and hands it to each decoder layer (SDPA attention).
+- ``pype`` (Chen et al., 2025): per-layer ids and masks, also built by the adapter, each decoder layer rotated with
+  its own ids. ``interval`` = 1: the paper drops one concentric level every k layers over a 32-layer model; the
+  benchmark's model has 2 decoder layers, so with any k > 1 both layers would have CCA's ids, and k = 1 is the
+  only interval under which the pyramid descends at all (layer 1 merges the two innermost levels).
+- ``bipe`` (He et al., ICML 2024): the inter-segment index as the rotary position, the intra-segment index as an
+  absolute embedding added to the inputs (:func:`~visionpe.multimodal.bipe_side_index`: a learned table of 1,024
+  rows for text, as released; a fixed 2-D sin-cos of the (row, column) inside its frame for visual tokens). Every
+  image and every video frame is a segment of its own (the library's reading); the text before an image ends its
+  sentence at ``<vs>`` (the separator, ``separator_ids``), so the question is one segment, the text between two
+  images one, and the closing ``<ve> <ask>`` one.
+- ``ppe`` (Huang et al., ICLR 2026): the vision tower's output is merged before the language model as in the
+  released code (DPC-kNN clustering, Chat-UniVi's CTM with k = 5 neighbours, each image and each video frame
+  separately, keeping ``ceil(0.45 N)`` tokens of N: ``spatial_clustering_ratio`` 0.45), and every merged token keeps
+  the M-RoPE ids of K members of its cluster (:class:`~visionpe.multimodal.PPERotary`). The released K = 8 splits
+  each of the (16, 24, 24) sections of 64 pairs into sub-bands of 2, 3 and 3 pairs; the benchmark's heads have 8
+  pairs ((2, 3, 3)), on which K = 8 would leave the h and w rows without a pair, so K = 2 (one-pair sub-bands
+  cycling over t1, t2, h1, h2, w1, w2, as the released code does when K does not divide the sections).
+- ``rope_dhr`` (Liu et al., ICML 2025): tiled images, the tiles reusing the thumbnail's ids (``tile_grid`` from the
+  batch; :func:`~experiments.vlm.tasks.tile_image`). Only the grid task has images larger than one tile: a
+  multi-image image or a video frame is one tile, on which RoPE-DHR's ids are 1-D RoPE's (the ``rope_1d`` row), and
+  the paper covers images only, so those two tasks are not run (``not_applicable``) and the tables say so.
 """
 
 from __future__ import annotations
@@ -28,7 +55,11 @@ import torch
 
 from visionpe.multimodal import get_multimodal_scheme, sample_hope_scale, sample_v2pe_delta
 
-__all__ = ["BenchScheme", "BENCH_SCHEMES", "DEFAULT_SCHEMES", "get_bench_scheme"]
+from .tasks import TASKS, TOKENS
+
+__all__ = ["BenchScheme", "BENCH_SCHEMES", "DEFAULT_SCHEMES", "PPE_CLUSTERING_RATIO", "get_bench_scheme"]
+
+PPE_CLUSTERING_RATIO = 0.45  # the released PPE configuration's spatial_clustering_ratio
 
 
 @dataclass(frozen=True)
@@ -36,7 +67,12 @@ class BenchScheme:
     """A benchmark entry: ``scheme`` (registered name), ``options`` (evaluation design options),
     ``train_options`` (batch size, generator, visual blocks in the batch) -> design options drawn for a training
     step (per image or visual span, as the papers draw them), or None;
-    ``video_as_images``: feed video frames as consecutive images."""
+    ``video_as_images``: feed video frames as consecutive images;
+    ``batch_options``: design options read from the batch under the same name (``input_ids``, ``tile_grid``);
+    ``tiled``: the task data cut large images into tiles and a thumbnail;
+    ``side_embedding``: BiPE's intra-segment embedding is added to the inputs;
+    ``merge_ratio``: visual tokens are merged before the language model, this fraction of each image or frame kept;
+    ``not_applicable``: {task: why the design does not apply to it}; those combinations are not run."""
 
     name: str
     scheme: str
@@ -44,6 +80,17 @@ class BenchScheme:
     train_options: Callable[[int, torch.Generator | None, int], dict[str, Any]] | None = None
     video_as_images: bool = False
     note: str = ""
+    batch_options: tuple[str, ...] = ()
+    tiled: bool = False
+    side_embedding: bool = False
+    merge_ratio: float | None = None
+    not_applicable: dict[str, str] = field(default_factory=dict)
+
+    def applies_to(self, task: str) -> bool:
+        """Whether the benchmark runs this design on ``task``."""
+        if not isinstance(task, str) or task not in TASKS:
+            raise ValueError(f"task must be one of {sorted(TASKS)}, got {task!r}")
+        return task not in self.not_applicable
 
     def design_options(
         self, batch_size: int, generator: torch.Generator | None, training: bool, num_blocks: int = 1
@@ -75,6 +122,34 @@ BENCH_SCHEMES: dict[str, BenchScheme] = {
         BenchScheme("videorope", "videorope", note="VideoRoPE (delta = 2)"),
         BenchScheme("hope", "hope", {"temporal_scale": 0.75}, _hope_train, note="HoPE: train gamma random, eval 0.75"),
         BenchScheme("circle_rope", "circle_rope", video_as_images=True, note="Circle-RoPE (video frames as images)"),
+        BenchScheme("cca", "cca", note="CCA: concentric ids and the inward intra-image mask"),
+        BenchScheme("pype", "pype", {"interval": 1}, note="PyPE: CCA at layer 0, one level fewer per layer"),
+        BenchScheme(
+            "bipe",
+            "bipe",
+            {"separator_ids": (TOKENS["<vs>"],)},
+            batch_options=("input_ids",),
+            side_embedding=True,
+            note="BiPE: segment index as position, intra-segment embedding added",
+        ),
+        BenchScheme(
+            "ppe",
+            "ppe",
+            {"num_representatives": 2},
+            merge_ratio=PPE_CLUSTERING_RATIO,
+            note="PPE: 45 % of the visual tokens kept (DPC-kNN), K = 2 positions per merged token",
+        ),
+        BenchScheme(
+            "rope_dhr",
+            "rope_dhr",
+            batch_options=("tile_grid",),
+            tiled=True,
+            not_applicable={
+                "multi_image": "every image is one tile, on which RoPE-DHR is 1-D RoPE (see rope_1d)",
+                "video": "RoPE-DHR is defined for tiled images; a frame is one tile",
+            },
+            note="RoPE-DHR: tiles + thumbnail, the tiles reusing the thumbnail's ids",
+        ),
     )
 }
 DEFAULT_SCHEMES = tuple(BENCH_SCHEMES)

@@ -29,6 +29,14 @@ was trained on, so at evaluation the questions keep to the trained range (rows a
 indices up to 4, see ``max_query_index``) while the context around them grows: what changes is the number of
 visual tokens and positions, which is what the position scheme has to cope with.
 
+Tiled images (``tiled=True``, for RoPE-DHR; grid task only): as InternVL's dynamic high resolution, an image larger
+than one tile of :data:`TILE_CELLS` x :data:`TILE_CELLS` cells (28 px, the size of a multi-image image or a video
+frame) is cut into X columns x Y rows of tiles, followed by a thumbnail of the whole image at the size of one tile
+(``image_grid_thw`` (X Y + 1, 4, 4), tiles row-major then the thumbnail, ``tile_grid`` (X, Y)). InternVL resizes
+the image to the tile grid; here the grid is padded with empty cells to whole tiles instead, so that every digit
+keeps its cell and its token (the thumbnail is the padded image resized). An image within one tile is given as it
+is, untiled (``tile_grid`` (1, 1)). Training grids up to 3 x 3 then hold up to 2 x 2 tiles, the 6 x 6 grid 3 x 3.
+
 Pixels follow the Qwen2-VL processor: grayscale (one channel) normalised with the MNIST mean and std, cut into
 ``patch_size`` patches (temporal patch size 1) and flattened in its order (merge windows of
 ``spatial_merge_size`` x ``spatial_merge_size`` patches contiguous; :func:`patchify`). Grids ``(t, h, w)``
@@ -55,6 +63,7 @@ __all__ = [
     "MAX_INDEX",
     "PATCH_SIZE",
     "SPATIAL_MERGE_SIZE",
+    "TILE_CELLS",
     "TASKS",
     "TaskSpec",
     "DigitBank",
@@ -65,6 +74,7 @@ __all__ = [
     "make_multi_image_sample",
     "make_video_sample",
     "make_sample",
+    "tile_image",
     "sample_seed",
     "TaskDataset",
     "collate_samples",
@@ -84,6 +94,7 @@ PATCH_SIZE = 7
 SPATIAL_MERGE_SIZE = 2
 CELL_PX = 14  # one LLM token: (2 x 2 patches of 7 px)
 FRAME_PX = 28  # multi-image images and video frames: 2 x 2 LLM tokens
+TILE_CELLS = FRAME_PX // CELL_PX  # a tile of a tiled image: 2 x 2 cells, 28 px
 _BORDER = 255
 
 
@@ -213,6 +224,7 @@ class VLMSample:
     image_grid_thw: torch.Tensor | None = None
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
+    tile_grid: torch.Tensor | None = None
     info: dict = field(default_factory=dict)
 
 
@@ -287,6 +299,7 @@ def make_grid_sample(
     generator: torch.Generator,
     target: tuple[int, int] | None = None,
     max_query_index: int | None = None,
+    tiled: bool = False,
 ) -> VLMSample:
     """A ``rows`` x ``cols`` grid of digits in one image and a question naming one cell.
 
@@ -296,16 +309,22 @@ def make_grid_sample(
         generator: the only source of randomness (digits, asked cell).
         target: the asked cell (row, col), 0-based; None draws it.
         max_query_index: when drawing, only cells with row and column < this (the trained index range).
+        tiled: cut an image larger than one tile into tiles plus a thumbnail (:func:`tile_image`), for RoPE-DHR.
 
     Example:
         >>> bank = DigitBank("val")
         >>> s = make_grid_sample(bank, 2, 3, torch.Generator().manual_seed(0), target=(1, 2))
         >>> s.image_grid_thw.tolist(), s.input_ids.numel(), s.answer == int(bank.labels[s.digit_indices[5]])
         ([[1, 4, 6]], 14, True)
+        >>> t = make_grid_sample(bank, 2, 3, torch.Generator().manual_seed(0), target=(1, 2), tiled=True)
+        >>> t.image_grid_thw.tolist(), t.tile_grid.tolist(), t.answer == s.answer
+        ([[3, 4, 4]], [[2, 1]], True)
     """
     bank, generator = _check_bank(bank), _check_generator(generator)
     rows = _check_int("rows", rows, 1, MAX_INDEX)
     cols = _check_int("cols", cols, 1, MAX_INDEX)
+    if not isinstance(tiled, bool):
+        raise TypeError(f"tiled must be a bool, got {type(tiled).__name__}")
     if max_query_index is not None:
         max_query_index = _check_int("max_query_index", max_query_index, 1, MAX_INDEX)
     digits = bank.draw(rows * cols, generator)
@@ -321,15 +340,56 @@ def make_grid_sample(
         col = _check_int("target[1]", target[1], 0, cols - 1)
     cells = bank.cells[digits].view(rows, cols, CELL_PX, CELL_PX)
     image = cells.permute(0, 2, 1, 3).reshape(rows * CELL_PX, cols * CELL_PX)
-    num_tokens = rows * cols
+    if tiled:
+        frames, tile_grid = tile_image(image)
+    else:
+        frames, tile_grid = image[None], (1, 1)
+    num_tokens = frames.shape[0] * (frames.shape[1] // CELL_PX) * (frames.shape[2] // CELL_PX)
     ids = [TOKENS["<bos>"], TOKENS["row"], index_token(row + 1), TOKENS["col"], index_token(col + 1), TOKENS["<vs>"]]
     ids += [TOKENS["<img>"]] * num_tokens + [TOKENS["<ve>"], TOKENS["<ask>"]]
     types = [0] * 6 + [1] * num_tokens + [0, 0]
     sample = _sample(ids, types, bank, digits, row * cols + col, max(rows, cols))
-    sample.pixel_values = patchify(_normalize(image)[None])
-    sample.image_grid_thw = torch.tensor([_grid_thw(1, *image.shape)])
+    sample.pixel_values = patchify(_normalize(frames))
+    sample.image_grid_thw = torch.tensor([_grid_thw(*frames.shape)])
+    if tiled:
+        sample.tile_grid = torch.tensor([tile_grid])
     sample.info = {"rows": rows, "cols": cols, "row": row, "col": col}
     return sample
+
+
+def tile_image(image: torch.Tensor, tile_cells: int = TILE_CELLS) -> tuple[torch.Tensor, tuple[int, int]]:
+    """Cut a uint8 image into tiles of ``tile_cells`` x ``tile_cells`` cells plus a thumbnail (InternVL's layout).
+
+    Args:
+        image: (H, W) uint8, H and W multiples of the cell size (14 px).
+        tile_cells: cells per tile side.
+
+    Returns:
+        ``(frames, (X, Y))``: an image within one tile comes back as it is, (1, H, W) with (X, Y) = (1, 1); a larger
+        one is padded with empty cells to X columns x Y rows of tiles and returned as (X Y + 1, T, T) frames of
+        T = 14 ``tile_cells`` px: the tiles row-major, then the thumbnail (the padded image resized to one tile,
+        antialiased bilinear).
+
+    Example:
+        >>> frames, grid = tile_image(torch.zeros(42, 70, dtype=torch.uint8))
+        >>> tuple(frames.shape), grid
+        ((7, 28, 28), (3, 2))
+    """
+    if not isinstance(image, torch.Tensor) or image.ndim != 2 or image.dtype != torch.uint8:
+        raise ValueError(f"image must be an (H, W) uint8 tensor, got {getattr(image, 'shape', type(image).__name__)}")
+    if image.shape[0] % CELL_PX or image.shape[1] % CELL_PX:
+        raise ValueError(f"image must have H and W divisible by the cell size {CELL_PX}, got {tuple(image.shape)}")
+    tile_cells = _check_int("tile_cells", tile_cells, 1)
+    tile_px = tile_cells * CELL_PX
+    rows, cols = image.shape[0] // CELL_PX, image.shape[1] // CELL_PX
+    if rows <= tile_cells and cols <= tile_cells:
+        return image[None], (1, 1)
+    across, down = -(-cols // tile_cells), -(-rows // tile_cells)
+    padded = F.pad(image, (0, across * tile_px - image.shape[1], 0, down * tile_px - image.shape[0]))
+    tiles = padded.view(down, tile_px, across, tile_px).permute(0, 2, 1, 3).reshape(-1, tile_px, tile_px)
+    thumbnail = F.interpolate(padded[None, None].float(), size=(tile_px, tile_px), mode="bilinear", antialias=True)
+    thumbnail = thumbnail.round().clamp(0, 255).to(torch.uint8)[0]
+    return torch.cat([tiles, thumbnail]), (across, down)
 
 
 def make_multi_image_sample(
@@ -460,11 +520,14 @@ def make_sample(
     *,
     training: bool,
     video_as_images: bool = False,
+    tiled: bool = False,
 ) -> VLMSample:
     """One sample of ``task`` at ``length`` (grid: a ``length`` x ``length`` grid; images; frames).
 
     At evaluation (``training=False``) questions keep to the trained index range
-    (:attr:`TaskSpec.max_query_index`); in training they may name any cell or image.
+    (:attr:`TaskSpec.max_query_index`); in training they may name any cell or image. ``tiled`` (grid only): see
+    :func:`make_grid_sample`; the multi-image images and the video frames are one tile each, so tiling does not
+    apply to them and is a ValueError there.
 
     Example:
         >>> s = make_sample("grid", DigitBank("val"), 6, torch.Generator().manual_seed(0), training=False)
@@ -475,9 +538,16 @@ def make_sample(
     length = _check_int("length", length, 1)
     if not isinstance(training, bool):
         raise TypeError(f"training must be a bool, got {type(training).__name__}")
+    if not isinstance(tiled, bool):
+        raise TypeError(f"tiled must be a bool, got {type(tiled).__name__}")
+    if tiled and task != "grid":
+        raise ValueError(
+            f"tiled applies to the grid task only (its images grow past one tile), got task {task!r}, whose "
+            "images or frames are one tile each"
+        )
     limit = None if training else spec.max_query_index
     if task == "grid":
-        return make_grid_sample(bank, length, length, generator, max_query_index=limit)
+        return make_grid_sample(bank, length, length, generator, max_query_index=limit, tiled=tiled)
     if task == "multi_image":
         return make_multi_image_sample(bank, length, generator, max_query_index=limit)
     return make_video_sample(bank, length, generator, video_as_images=video_as_images)
@@ -507,6 +577,7 @@ class TaskDataset(Dataset):
         seed: the seed of every sample.
         training: see above.
         video_as_images: see :func:`make_video_sample`.
+        tiled: see :func:`make_grid_sample` (grid task only).
     """
 
     def __init__(
@@ -518,6 +589,7 @@ class TaskDataset(Dataset):
         seed: int,
         training: bool,
         video_as_images: bool = False,
+        tiled: bool = False,
     ) -> None:
         self.spec = _task_spec(task)
         self.task, self.bank = task, _check_bank(bank)
@@ -530,7 +602,11 @@ class TaskDataset(Dataset):
             raise TypeError(f"training must be a bool, got {type(training).__name__}")
         if not training and len(self.lengths) != 1:
             raise ValueError(f"an evaluation dataset has one length (one dataset per length), got {list(lengths)}")
-        self.training, self.video_as_images = training, video_as_images
+        if not isinstance(tiled, bool):
+            raise TypeError(f"tiled must be a bool, got {type(tiled).__name__}")
+        if tiled and task != "grid":
+            raise ValueError(f"tiled applies to the grid task only, got task {task!r}")
+        self.training, self.video_as_images, self.tiled = training, video_as_images, tiled
 
     def __len__(self) -> int:
         return self.num_samples
@@ -543,10 +619,16 @@ class TaskDataset(Dataset):
         if self.task == "grid" and self.training:
             # rows and columns drawn independently: non-square grids, so that rows and columns differ
             rows, cols = (self.lengths[int(i)] for i in torch.randint(len(self.lengths), (2,), generator=generator))
-            return make_grid_sample(self.bank, rows, cols, generator)
+            return make_grid_sample(self.bank, rows, cols, generator, tiled=self.tiled)
         length = self.lengths[int(torch.randint(len(self.lengths), (), generator=generator))]
         return make_sample(
-            self.task, self.bank, length, generator, training=self.training, video_as_images=self.video_as_images
+            self.task,
+            self.bank,
+            length,
+            generator,
+            training=self.training,
+            video_as_images=self.video_as_images,
+            tiled=self.tiled,
         )
 
 
@@ -556,7 +638,8 @@ def collate_samples(samples: Sequence[VLMSample]) -> dict[str, torch.Tensor]:
     Returns ``input_ids``, ``attention_mask``, ``mm_token_type_ids`` (B, L_max), left padded so that the
     question's last token is at position -1 in every row; ``pixel_values`` / ``image_grid_thw`` and
     ``pixel_values_videos`` / ``video_grid_thw`` concatenated in sample order (present only when some sample
-    has them); ``answers`` (B,) answer token ids; ``lengths`` (B,) task lengths.
+    has them); ``tile_grid`` likewise (tiled samples: every sample of the batch must be tiled); ``answers`` (B,)
+    answer token ids; ``lengths`` (B,) task lengths.
     """
     if not samples or not all(isinstance(s, VLMSample) for s in samples):
         raise TypeError("samples must be a non-empty sequence of VLMSample")
@@ -576,6 +659,11 @@ def collate_samples(samples: Sequence[VLMSample]) -> dict[str, torch.Tensor]:
         if present:
             out[pixels] = torch.cat([getattr(s, pixels) for s in present])
             out[grid] = torch.cat([getattr(s, grid) for s in present])
+    tiled = [s.tile_grid is not None for s in samples]
+    if any(tiled):
+        if not all(tiled):
+            raise ValueError(f"samples must be all tiled or all untiled, got tile_grid on {sum(tiled)} of {batch}")
+        out["tile_grid"] = torch.cat([s.tile_grid for s in samples])
     out["answers"] = torch.tensor([s.answer_token for s in samples])
     out["lengths"] = torch.tensor([s.length for s in samples])
     return out
