@@ -4,7 +4,8 @@ The DeiT recipe is assembled from what timm already provides: ``timm.create_mode
 ``timm.data.Mixup`` (mixup, cutmix, label smoothing), ``timm.optim.create_optimizer_v2`` (AdamW, weight decay
 skipped for norms, biases and the model's ``no_weight_decay`` set: position tables and frequencies),
 ``timm.scheduler.CosineLRScheduler`` (cosine with linear warm-up, counted and stepped in optimizer updates) and
-torchmetrics for accuracy. Lightning does the rest: checkpointing, resume, logging, progress bars, DDP.
+torchmetrics for accuracy. Lightning does the rest: checkpointing, resume, logging, progress bars, DDP and FSDP
+(:class:`~visionpe.training.fsdp.BlockFSDPStrategy`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from timm.data import Mixup
 from timm.layers import trunc_normal_
 from timm.loss import SoftTargetCrossEntropy
-from timm.optim import create_optimizer_v2, get_optimizer_class
+from timm.optim import create_optimizer_v2, get_optimizer_class, param_groups_weight_decay
 from timm.scheduler import CosineLRScheduler
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -39,6 +40,25 @@ __all__ = ["Classifier"]
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _weight_decay_by_name(model: torch.nn.Module, weight_decay: float) -> dict[str, float]:
+    """{parameter name: weight decay} as timm's ``create_optimizer_v2`` splits them (no decay for norms, biases and the
+    model's ``no_weight_decay`` set)."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    no_weight_decay = getattr(model, "no_weight_decay", set)()
+    groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=no_weight_decay)
+    return {names[id(param)]: group["weight_decay"] for group in groups for param in group["params"]}
+
+
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def _unwrapped_name(name: str) -> str:
+    """A parameter's name with the module prefixes of FSDP units and checkpoint wrappers removed."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
 def _check_args(args: dict[str, Any]) -> None:
@@ -243,9 +263,34 @@ class Classifier(L.LightningModule):
             raise ValueError("the datamodule must have a batch_size attribute to scale the learning rate")
         return batch_size * self.trainer.world_size * self.trainer.accumulate_grad_batches
 
+    def setup(self, stage: str) -> None:
+        # Before a strategy wraps the model: FSDP turns each parameter into a flat 1-D shard, from which timm's split
+        # (no decay for tensors of one dimension) could no longer be read, so the split is taken here, by name.
+        self._weight_decay = _weight_decay_by_name(self.model, self.hparams.weight_decay)
+
+    def _parameter_groups(self) -> list[dict[str, Any]] | torch.nn.Module:
+        """The model itself (timm splits weight decay), or, for a model sharded by FSDP, the split taken in
+        :meth:`setup` applied to the wrapped parameters by name."""
+        named = list(self.model.named_parameters())
+        if not any(prefix in name for name, _ in named for prefix in _WRAPPER_PREFIXES):
+            return self.model
+        split = getattr(self, "_weight_decay", None)
+        if split is None:
+            raise RuntimeError("the model was wrapped before Classifier.setup() read its weight-decay split")
+        groups: dict[float, list[torch.nn.Parameter]] = {}
+        for name, param in named:
+            if param.requires_grad:
+                key = _unwrapped_name(name)
+                if key not in split:
+                    raise RuntimeError(f"parameter {key!r} of the wrapped model was not in the model at setup()")
+                groups.setdefault(split[key], []).append(param)
+        return [{"params": params, "weight_decay": decay} for decay, params in sorted(groups.items())]
+
     def configure_optimizers(self):
         lr = self.hparams.base_lr * self.global_batch_size() / self.hparams.lr_batch_reference
-        optimizer = create_optimizer_v2(self.model, opt=self.hparams.opt, lr=lr, weight_decay=self.hparams.weight_decay)
+        optimizer = create_optimizer_v2(
+            self._parameter_groups(), opt=self.hparams.opt, lr=lr, weight_decay=self.hparams.weight_decay
+        )
         # the schedule in optimizer updates: all of them (max_epochs or max_steps, whichever ends the run first),
         # and an epoch's worth (the last window of an epoch updates too, as Lightning does)
         total = int(self.trainer.estimated_stepping_batches)
