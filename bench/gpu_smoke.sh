@@ -1,34 +1,49 @@
 #!/usr/bin/env bash
-# GPU checks (bf16 against fp32 per scheme, patch dropout, iRPE's value term at 1024 px; about a minute), then the
-# training-step benchmark with profiles (bench/throughput.py, synthetic images), then the smoke benchmark of the
-# ImageNet pipeline, every scheme, bf16; about 9 minutes in all on one H200 (2026-12-04: data loading holds each
-# scheme to about 430 images/s in the pipeline, 20 s per scheme at 60 steps).
-# Usage: bash bench/gpu_smoke.sh [--out DIR] [--dry-run] [--steps 60] [--batch 128] [--schemes rope_axial rope_mixed]
-#   --out DIR   folder of the result files: gpu_checks.{md,csv} and throughput.{md,csv} (bench/results.py), the
-#               smoke benchmark's own files if bench/gpu_smoke.py takes --out, and each step's printed log
-#               (default runs/gpu_results, which git ignores; copy the files into docs/benchmarks/results/ by hand)
-#   --dry-run   on CPU, one scheme at 32 px: the checks and the training-step benchmark run and write their files;
-#               the smoke benchmark only parses its options (its 20 warm-up steps need a GPU to be quick)
-#   --scenes    instead of the above, the GPU configuration of the scenes benchmark (configs/scenes/scenes_gpu.yaml,
-#               a ViT-S at 64 -> 256 px, 3,000 steps): NoPE, learned, RoPE-Axial and RoPE-Mixed on region, seed 0,
-#               about 2 minutes per model on one H100; its files are scenes_gpu.{md,csv,png} in --out. The whole
-#               sweep: python train/scenes.py --config configs/scenes/scenes_gpu.yaml --out runs/scenes_gpu
-# Other options go to bench/gpu_smoke.py.
-# On a machine that cannot reach the package registries but has PyTorch, timm and Lightning (a lent GPU box):
-#   PYTHON=python3 bash bench/gpu_smoke.sh --out "$OUT"   # no set-up; visionpe is imported from this checkout
+# The GPU measurements, in parts that each fit in one 10-minute call (on one H100/H200):
+#   steps   bench/gpu_checks.py (bf16 against fp32 per scheme, patch dropout, iRPE's value term at 1024 px; about a
+#           minute), then the training step on synthetic images (bench/throughput.py, bf16, batch 128, with kernels
+#           and GPU time per step), with the bias schemes also on FlexAttention and the cos/sin rotary schemes also
+#           with the fused compiled rotation; about 5 minutes
+#   smoke   the ImageNet pipeline (bench/gpu_smoke.py), every scheme, bf16, 60 steps each; about 7 minutes
+#           (2026-12-04, H200: data loading held each scheme to about 430 images/s, 20 s per scheme)
+#   data    the training loop reading JPEG files through the GPU data pipeline (nvJPEG, kornia) and the CPU one,
+#           against synthetic in-memory data (bench/data_pipeline.py), and a check that the batched augmentation
+#           never synchronises with the device; about 4 minutes
+#   scenes  a part of the scenes benchmark's GPU configuration (configs/scenes/scenes_gpu.yaml, a ViT-S at
+#           64 -> 256 px, 3,000 steps): NoPE, learned, RoPE-Axial and RoPE-Mixed on region, seed 0, about 2
+#           minutes per model; the whole sweep: python train/scenes.py --config configs/scenes/scenes_gpu.yaml
+#   fsdp    the 2-process FSDP tests on 2 GPUs when there are 2 (tests/training/test_fsdp.py); skipped on one
+# Usage: bash bench/gpu_smoke.sh [--part steps] [--part smoke ...] [--out DIR] [--dry-run] [options of gpu_smoke.py]
+#   --part P    run part P (repeatable; default: steps and smoke, about 12 minutes, as two calls on a lent machine)
+#   --out DIR   folder of the result files (bench/results.py: gpu_checks, throughput, data_pipeline, scenes_gpu
+#               .md/.csv) and each part's printed log (default runs/gpu_results, which git ignores; copy the files
+#               into docs/benchmarks/results/ by hand)
+#   --dry-run   on CPU, tiny sizes: each part runs its command far enough to check it (the smoke benchmark only
+#               parses its options; scenes runs the benchmark's --quick check with the GPU configuration)
+# Other options go to bench/gpu_smoke.py (e.g. --steps 60 --batch 128 --schemes rope_axial rope_mixed).
+# On a machine that cannot reach the package registries but has PyTorch, timm, Lightning and kornia (a lent GPU box):
+#   PYTHON=python3 bash bench/gpu_smoke.sh --part steps --out "$OUT"   # no set-up; visionpe from this checkout
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=runs/gpu_results
 dry=0
-scenes=0
+parts=()
 smoke_args=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) out=$2; shift 2 ;;
         --out=*) out=${1#--out=}; shift ;;
+        --part) parts+=("$2"); shift 2 ;;
+        --part=*) parts+=("${1#--part=}"); shift ;;
         --dry-run) dry=1; shift ;;
-        --scenes) scenes=1; shift ;;
         *) smoke_args+=("$1"); shift ;;
+    esac
+done
+[ ${#parts[@]} -gt 0 ] || parts=(steps smoke)
+for part in "${parts[@]}"; do
+    case "$part" in
+        steps|smoke|data|scenes|fsdp) ;;
+        *) echo "--part must be one of steps smoke data scenes fsdp, got '$part'" >&2; exit 2 ;;
     esac
 done
 if [ -n "${PYTHON:-}" ]; then
@@ -38,43 +53,81 @@ else
     PYTHON=.venv/bin/python
 fi
 mkdir -p "$out"
-if [ "$scenes" = 1 ]; then
-    scenes_args=(--schemes none learned rope_axial rope_mixed --references --tasks region --seeds 0
-                 --extrapolation none pi ntk --out "$out/scenes_gpu" --reuse --results "$out" --results-name scenes_gpu)
-    if [ "$dry" = 1 ]; then
-        # on CPU: the quick check of the pipeline with the GPU configuration's data and sizes
-        scenes_args+=(--quick)
+status=0  # every part runs even when an earlier one fails; the first failure's status is kept
+
+run_part() {  # run_part NAME TIMEOUT COMMAND...: the command's output to the screen and to $out/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*"
+    timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+    local code=${PIPESTATUS[0]}
+    if [ "$code" != 0 ] && [ "$status" = 0 ]; then
+        status=$code
     fi
-    status=0
-    timeout 560 "$PYTHON" train/scenes.py --config configs/scenes/scenes_gpu.yaml "${scenes_args[@]}" 2>&1 \
-        | tee "$out/scenes_gpu.log" || status=$?
-    echo "result files in $out:" && ls "$out"
-    exit "$status"
-fi
-if grep -q -- '"--out"' bench/gpu_smoke.py; then
-    smoke_args+=(--out "$out")
-fi
-if [ "$dry" = 1 ]; then
-    checks=(--device cpu --schemes rope_axial --size 32 --value-size 32 --memory-size 32)
-    step=(--device cpu --schemes rope_axial --precision bf16 --batch 1 --size 32 --steps 2 --rounds 1 --warmup 0)
-else
-    checks=()
-    # --flex: the bias schemes of the speed targets also on FlexAttention (rows "<scheme> (flex)")
-    step=(--device cuda --precision bf16 --batch 128 --steps 5 --rounds 5 --flex alibi2d lookhere irpe)
-fi
-status=0
-# the benchmarks still run when a check fails; its status is kept
-timeout 150 "$PYTHON" bench/gpu_checks.py ${checks[@]+"${checks[@]}"} --out "$out" 2>&1 | tee "$out/gpu_checks.log" \
-    || status=$?
-# the training step alone (synthetic images), with kernels and GPU time per step; about a minute and a half, plus
-# FlexAttention's compilation for the flex rows
-timeout 300 "$PYTHON" bench/throughput.py "${step[@]}" --profile --out "$out" 2>&1 | tee "$out/throughput.log" \
-    || status=$?
-if [ "$dry" = 1 ]; then
-    "$PYTHON" bench/gpu_smoke.py --help > /dev/null
-    echo "dry run: bench/gpu_smoke.py parses its options; not run on CPU"
-else
-    timeout 480 "$PYTHON" bench/gpu_smoke.py ${smoke_args[@]+"${smoke_args[@]}"} 2>&1 | tee "$out/gpu_smoke.log"
-fi
+}
+
+fused=(rope_axial rope_mixed string_cayley string_circulant)
+for part in "${parts[@]}"; do
+    case "$part" in
+    steps)
+        if [ "$dry" = 1 ]; then
+            checks=(--device cpu --schemes rope_axial --size 32 --value-size 32 --memory-size 32)
+            step=(--device cpu --schemes rope_axial --precision bf16 --batch 1 --size 32 --steps 2 --rounds 1
+                  --warmup 0 --fused-rotary rope_axial)
+        else
+            checks=()
+            # the bias schemes of the speed targets also on FlexAttention (rows "<scheme> (flex)"), the cos/sin
+            # rotary schemes also with the fused rotation (rows "<scheme> (fused)")
+            step=(--device cuda --precision bf16 --batch 128 --steps 5 --rounds 5 --flex alibi2d lookhere irpe
+                  --fused-rotary "${fused[@]}")
+        fi
+        run_part gpu_checks 150 "$PYTHON" bench/gpu_checks.py ${checks[@]+"${checks[@]}"} --out "$out"
+        # with kernels and GPU time per step; about 3 minutes with the compilation of the flex and fused rows
+        run_part throughput 420 "$PYTHON" bench/throughput.py "${step[@]}" --profile --out "$out"
+        ;;
+    smoke)
+        if grep -q -- '"--out"' bench/gpu_smoke.py; then
+            smoke_args+=(--out "$out")
+        fi
+        if [ "$dry" = 1 ]; then
+            # its 20 warm-up steps need a GPU to be quick
+            run_part gpu_smoke 60 "$PYTHON" bench/gpu_smoke.py --help
+        else
+            run_part gpu_smoke 480 "$PYTHON" bench/gpu_smoke.py ${smoke_args[@]+"${smoke_args[@]}"}
+        fi
+        ;;
+    data)
+        if [ "$dry" = 1 ]; then
+            data=(--device cpu --dry-run --out "$out")
+        else
+            # target on an H200: the GPU pipeline at >= 90 % of the synthetic step rate
+            data=(--device cuda --num-workers 16 --steps 60 --warmup 15 --out "$out")
+            run_part augment_sync 120 "$PYTHON" -c "
+import torch
+from visionpe.training import BatchAugment
+augment = BatchAugment(224).cuda()
+x = torch.randint(0, 256, (256, 3, 224, 224), dtype=torch.uint8, device='cuda')
+params = augment.sample_params(256)
+torch.cuda.set_sync_debug_mode('error')  # raises on any host-device synchronisation
+y = augment(x, params)
+torch.cuda.set_sync_debug_mode(0)
+torch.cuda.synchronize()
+print('batched augmentation without synchronisation:', tuple(y.shape))"
+        fi
+        run_part data_pipeline 420 "$PYTHON" bench/data_pipeline.py "${data[@]}"
+        ;;
+    scenes)
+        scenes=(--schemes none learned rope_axial rope_mixed --references --tasks region --seeds 0
+                --extrapolation none pi ntk --out "$out/scenes_gpu" --reuse --results "$out" --results-name scenes_gpu)
+        if [ "$dry" = 1 ]; then
+            scenes+=(--quick)
+        fi
+        run_part scenes_gpu 560 "$PYTHON" train/scenes.py --config configs/scenes/scenes_gpu.yaml "${scenes[@]}"
+        ;;
+    fsdp)
+        run_part fsdp 300 "$PYTHON" -m pytest -q -p no:cacheprovider tests/training/test_fsdp.py
+        ;;
+    esac
+done
 echo "result files in $out:" && ls "$out"
 exit "$status"
