@@ -5,6 +5,7 @@ import json
 import math
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -123,6 +124,8 @@ def _fsdp_worker(rank: int, world: int, port: int, out: str) -> None:
         ),
     }
     trainer.save_checkpoint(Path(out) / "fsdp.ckpt")  # state_dict_type="full": one file, written by rank 0
+    strategy._state_dict_type = "sharded"
+    trainer.save_checkpoint(Path(out) / "sharded")  # a folder with each rank's shards
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(info))
 
 
@@ -169,6 +172,16 @@ def test_two_fsdp_processes_match_one_process_on_the_whole_batch(tmp_path):
     for name, value in expected.items():
         torch.testing.assert_close(state[name], value, atol=2e-5, rtol=1e-4, msg=name)
     assert not torch.equal(state["model.head.weight"], _classifier().state_dict()["model.head.weight"])
+
+    # the sharded checkpoint, merged as the docs say (consolidate_checkpoint), holds the same state
+    subprocess.run(
+        [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(tmp_path / "sharded")],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    merged = torch.load(tmp_path / "sharded.consolidated", map_location="cpu", weights_only=False)["state_dict"]
+    assert merged.keys() == state.keys() and all(torch.equal(merged[k], state[k]) for k in state)
 
 
 @pytest.mark.parametrize(
