@@ -12,7 +12,8 @@
 #   scenes  a part of the scenes benchmark's GPU configuration (configs/scenes/scenes_gpu.yaml, a ViT-S at
 #           64 -> 256 px, 3,000 steps): NoPE, learned, RoPE-Axial and RoPE-Mixed on region, seed 0, about 2
 #           minutes per model; the whole sweep: python train/scenes.py --config configs/scenes/scenes_gpu.yaml
-#   fsdp    the 2-process FSDP tests on 2 GPUs when there are 2 (tests/training/test_fsdp.py); skipped on one
+#   fsdp    the FSDP tests (tests/training/test_fsdp.py) with the GPU ones: bf16 blocks on one or two GPUs; about
+#           3 minutes
 # Usage: bash bench/gpu_smoke.sh [--part steps] [--part smoke ...] [--out DIR] [--dry-run] [options of gpu_smoke.py]
 #   --part P    run part P (repeatable; default: steps and smoke, about 12 minutes, as two calls on a lent machine)
 #   --out DIR   folder of the result files (bench/results.py: gpu_checks, throughput, data_pipeline, scenes_gpu

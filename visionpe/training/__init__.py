@@ -23,9 +23,10 @@ except ImportError as err:
         'pip install "visionpe[train]"'
     ) from err
 
+from .fsdp import BlockFSDPStrategy
 from .gpu_augment import BatchAugment
 from .image_folder import ImageFolderDataModule
 from .module import Classifier
 from .video_data import FrameClipDataModule
 
-__all__ = ["BatchAugment", "Classifier", "FrameClipDataModule", "ImageFolderDataModule"]
+__all__ = ["BatchAugment", "BlockFSDPStrategy", "Classifier", "FrameClipDataModule", "ImageFolderDataModule"]
