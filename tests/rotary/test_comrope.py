@@ -8,6 +8,7 @@ import torch
 import visionpe
 from visionpe.grid import grid_coords
 from visionpe.rotary.comrope_ap import ComRoPEAP
+from visionpe.rotary.comrope_base import distinct_counts
 from visionpe.rotary.comrope_ld import ComRoPELD
 from visionpe.rotary.lie_base import LieBlockRotary
 from visionpe.rotary.rope_axial import RopeAxial
@@ -560,3 +561,14 @@ def test_time_norm_spatial_divides_frames_by_the_width_as_the_reference(cls):
         cls(64, 2, time_norm="spatial")
     with pytest.raises(ValueError, match=r"time_norm must be one of \('frames', 'spatial'\), got 'width'"):
         cls(64, 2, ndim=3, time_norm="width")
+
+
+def test_distinct_counts_match_unique():
+    # the jitter's cell sizes without a grid count each axis' distinct values on the device (no data-dependent
+    # shape for a compiled graph): the counts torch.unique gives
+    coords = torch.tensor([[0.5, 0.1], [0.5, 0.2], [0.25, 0.1], [0.75, 0.1], [0.25, 0.3]])
+    expected = [len(torch.unique(column)) for column in coords.unbind(1)]
+    assert distinct_counts(coords).tolist() == expected == [3, 3]
+    assert distinct_counts(torch.zeros(0, 3)).tolist() == [0, 0, 0]
+    with pytest.raises(ValueError, match=r"coords must have shape \(N, ndim\)"):
+        distinct_counts(torch.zeros(4))

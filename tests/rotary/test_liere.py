@@ -383,6 +383,53 @@ def test_gpu_squaring_path_matches_cpu_path(monkeypatch, name):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["liere", "comrope_ap", "comrope_ld"])
+def test_traced_forms_match_eager(monkeypatch, name):
+    # what a compiled graph runs (the squaring count as a tensor, every squaring up to the maximum kept where the
+    # count asks for it, no distinct coordinate values, the plain-autograd block product), run eagerly by making
+    # the code believe it is compiling: the same logits and gradients, with generators large enough that the
+    # layers' counts differ from the initial ones
+    torch.manual_seed(0)
+    model = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=name, img_size=48, depth=2)
+    with torch.no_grad():
+        for param in model.pos_schemes.parameters():
+            param.mul_(4.0)
+    images = torch.randn(2, 3, 48, 48)
+    counts, eager_counts = [], expm._eager_squaring_counts
+    monkeypatch.setattr(expm, "_eager_squaring_counts", lambda norm2: counts.append(eager_counts(norm2)) or counts[-1])
+    selected, selected_apply = [], expm._SelectedSquarings.apply
+    monkeypatch.setattr(
+        expm._SelectedSquarings, "apply", lambda *args: selected.append(args[1]) or selected_apply(*args)
+    )
+    results = []
+    for traced in (False, True):
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda traced=traced: traced)
+        model.zero_grad()
+        logits = model(images)
+        logits.square().mean().backward()
+        results.append((logits, [p.grad.clone() for p in model.pos_schemes.parameters()]))
+    assert counts and selected and max(map(max, counts)) == int(max(selected)) > 0, (counts, selected)
+    (eager, eager_grads), (traced, traced_grads) = results
+    torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(traced_grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_selected_squarings_match_a_python_count():
+    # the compiled graph's squarings: R^(2^s) for a tensor count s, forward and gradient as s plain squarings
+    rot = torch.linalg.matrix_exp(skew_from_params(torch.randn(5, 6, dtype=torch.float64), 4)).requires_grad_(True)
+    weights = torch.randn(5, 4, 4, dtype=torch.float64)
+    for count in (0, 1, 3, expm.MAX_COMPILED_SQUARINGS):
+        expected = rot
+        for _ in range(count):
+            expected = expected @ expected
+        got = expm._SelectedSquarings.apply(rot, torch.tensor(float(count), dtype=torch.float64))
+        torch.testing.assert_close(got, expected)
+        (grad,) = torch.autograd.grad((got * weights).sum(), rot)
+        (expected_grad,) = torch.autograd.grad((expected * weights).sum(), rot)
+        torch.testing.assert_close(grad, expected_grad)
+
+
 def test_dense_blocks_match_matrix_exp():
     # blocks above the token-last limit (b = 32) square with bmm: the same exp(sum_a p_a A_a) as matrix_exp
     scheme = LieRE(64, 2, block_size=32, init_scale=0.3)

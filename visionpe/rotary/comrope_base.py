@@ -24,19 +24,30 @@ from .block_rotation import TokenRotations
 from .lie_base import LieBlockRotary
 from .scaling import SCALING_MODES
 
-__all__ = ["ComRoPEBase", "POS_NORMS", "TIME_NORMS", "distinct_values"]
+__all__ = ["ComRoPEBase", "POS_NORMS", "TIME_NORMS", "distinct_counts", "distinct_values"]
 
 POS_NORMS = ("test_grid", "train_grid")
 TIME_NORMS = ("frames", "spatial")
 
 
+def distinct_counts(coords: torch.Tensor) -> torch.Tensor:
+    """(ndim,) float32 count of the distinct values of each column of ``coords`` (N, ndim): ``len(torch.unique(c))``
+    per column, from a sort (a tensor, not a data-dependent shape). 0 for no rows.
+    """
+    if coords.ndim != 2:
+        raise ValueError(f"coords must have shape (N, ndim), got {tuple(coords.shape)}")
+    ordered = coords.sort(0).values
+    steps = (ordered[1:] != ordered[:-1]).sum(0)  # a new value after each step
+    return (steps + (len(coords) > 0)).float()
+
+
 def distinct_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.unique(x, return_inverse=True)``: the exponentials are built once per distinct coordinate value.
 
-    Under ``torch.export`` (where the count of distinct values would be a data-dependent shape) every entry is
-    its own value: the same rotations, one exponential per entry.
+    Under ``torch.compile`` and ``torch.export`` (where the count of distinct values would be a data-dependent
+    shape, a graph break) every entry is its own value: the same rotations, one exponential per entry.
     """
-    if torch.compiler.is_exporting():
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return x.flatten(), torch.arange(x.numel(), device=x.device).view(x.shape)
     return torch.unique(x, return_inverse=True)
 
@@ -106,9 +117,13 @@ class ComRoPEBase(LieBlockRotary):
         """The count n_a that divides (i + 0.5) on each axis of ``grid_size`` (the test or the training grid): the
         axis' own size, except the time axis of a 3D grid with ``time_norm='spatial'``, which takes the width."""
         sizes = tuple(int(n) for n in grid_size)
-        if self.time_norm == "spatial":
-            sizes = (sizes[-1], *sizes[1:])
-        return sizes
+        return tuple(sizes[axis] for axis in self._divisor_axes(len(sizes)))
+
+    def _divisor_axes(self, ndim: int) -> tuple[int, ...]:
+        """The axis whose count divides each axis (:meth:`axis_divisors`): itself, except the width for the time
+        axis of a 3D grid with ``time_norm='spatial'``."""
+        axes = tuple(range(ndim))
+        return (axes[-1], *axes[1:]) if self.time_norm == "spatial" else axes
 
     def coords(self, grid_size: tuple[int, ...], device=None) -> torch.Tensor:
         grid_size = self.check_grid(grid_size)
@@ -169,10 +184,8 @@ class ComRoPEBase(LieBlockRotary):
             sides = torch.tensor(self.axis_divisors(self.train_grid_size), dtype=torch.float32, device=coords.device)
         elif grid_size is not None:
             sides = torch.tensor(self.axis_divisors(grid_size), dtype=torch.float32, device=coords.device)
-        else:
-            sides = torch.tensor(
-                self.axis_divisors([len(torch.unique(c)) for c in coords.unbind(1)]), dtype=torch.float32
-            )
+        else:  # counted on the device (no data-dependent shape, so a compiled graph does not break here)
+            sides = distinct_counts(coords)[list(self._divisor_axes(coords.shape[1]))]
         return 1.0 / sides.to(coords.device).clamp_min(1)
 
     def augment(

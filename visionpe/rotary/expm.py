@@ -8,9 +8,11 @@ small matrix exponentials, and the exact exponential follows by scaling and squa
 with s set from a bound on the spectral norm so that the polynomial's error stays below rounding. The polynomial
 is the Chebyshev truncation of exp on the imaginary segment that holds a skew matrix's eigenvalues
 (:func:`_economized_exp`): as accurate on norms up to 2.8 as the Taylor polynomial is up to 1.5, so one squaring
-fewer (LieRE in ViT-S: 4 instead of 5 per layer). The count s is a Python int read outside any compiled graph;
-under ``torch.export`` it is a tensor of the weights and each possible squaring runs behind a ``torch.cond``
-(:func:`_squaring_count`).
+fewer (LieRE in ViT-S: 4 instead of 5 per layer). The count s is a Python int in eager mode (one host read per
+forward); in a traced graph it is a tensor of the weights (:func:`_squaring_count`), so that no host read splits
+the graph: under ``torch.compile`` every possible squaring up to :data:`MAX_COMPILED_SQUARINGS` is computed and
+kept only where the count asks for it (:class:`_SelectedSquarings`: eager's arithmetic, without control flow),
+under ``torch.export`` each possible squaring runs behind a ``torch.cond``.
 
 When the exponent of a block is a scalar times one fixed skew matrix (ComRoPE), exp((c1 + c2) S) =
 exp(c1 S) exp(c2 S) and only the distinct values of each coordinate need an exponential
@@ -85,6 +87,13 @@ def _economized_exp(theta: float, order: int) -> tuple[float, ...]:
 _DEGREE_SCALE = tuple(c * math.factorial(k) for k, c in enumerate(_economized_exp(_THETA, _ORDER)))
 # squarings an exported graph can run (each behind a torch.cond): spectral norms up to 2.8 * 2^20 = 2.9e6
 MAX_EXPORT_SQUARINGS = 20
+# squarings a compiled graph runs, every one of them (:class:`_SelectedSquarings`): spectral norms up to
+# 2.8 * 2^16 = 1.8e5 get eager's count. The norms that occur need far fewer: LieRE at its initialisation takes 4
+# squarings on a 14 x 14 grid, 7 on 64 x 64 and 9 on 256 x 256 (integer positions), ComRoPE 2 to 4 (positions
+# normalised to the grid); and in LieRE's fp32 each squaring doubles the rounding error, so past 12 squarings
+# (2^12 * 6e-8 = 2.4e-4) eager's own rotations lose 1e-4 accuracy long before the 16 run out. A larger norm is
+# clamped to 16 squarings: its polynomial is then evaluated beyond the segment where it stands for exp.
+MAX_COMPILED_SQUARINGS = 16
 
 
 def skew_from_params(params: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -279,13 +288,24 @@ class LayerExponentials:
         generators: (L, H, M, ndim, b, b) skew-symmetric generators of L layers.
         coords: (N, ndim) token positions.
         dtype: as :func:`block_skew_expm`.
+        norm2: (L, n) squared Frobenius norms whose largest per layer sets that layer's squaring count; None (the
+            default): those of its own exponents. A larger bound only adds squarings, so that exponentials split
+            into several stacks can share the count of their union (ComRoPE-LD's axes in a traced graph).
     """
 
-    def __init__(self, generators: torch.Tensor, coords: torch.Tensor, dtype: torch.dtype = torch.float64) -> None:
+    def __init__(
+        self,
+        generators: torch.Tensor,
+        coords: torch.Tensor,
+        dtype: torch.dtype = torch.float64,
+        norm2: torch.Tensor | None = None,
+    ) -> None:
         if generators.ndim != 6 or generators.shape[-1] != generators.shape[-2]:
             raise ValueError(f"generators must have shape (L, H, M, ndim, b, b), got {tuple(generators.shape)}")
         if coords.ndim != 2 or coords.shape[1] != generators.shape[3]:
             raise ValueError(f"coords must have shape (N, ndim={generators.shape[3]}), got {tuple(coords.shape)}")
+        if norm2 is not None and (norm2.ndim != 2 or len(norm2) != generators.shape[0]):
+            raise ValueError(f"norm2 must have shape (L={generators.shape[0]}, n), got {tuple(norm2.shape)}")
         layers, heads, blocks, ndim, b, _ = generators.shape
         self.num_layers, self.heads, self.blocks, self.block_size = layers, heads, blocks, b
         self.num_tokens, self.device_type = len(coords), coords.device.type
@@ -301,20 +321,23 @@ class LayerExponentials:
                 # M = sum_a p_a A_a is skew: its eigenvalues come in pairs +-i lambda, so ||M||_2 <= ||M||_F /
                 # sqrt(2), and ||M||_F^2 = p^T Gram p with Gram[a, c] = <A_a, A_c>: one squaring count per layer,
                 # for all its tokens and blocks
-                gram = torch.einsum("gaij,gcij->gac", gen, gen)
-                self.norm2 = torch.einsum("na,gac,nc->gn", coords, gram, coords).reshape(layers, -1)
-                del gram
+                if norm2 is None:
+                    gram = torch.einsum("gaij,gcij->gac", gen, gen)
+                    norm2 = torch.einsum("na,gac,nc->gn", coords, gram, coords).reshape(layers, -1)
+                    del gram
+                self.norm2 = norm2
             # every layer's count read at once: one device-to-host read per forward instead of one per layer (on a
-            # GPU each read waits for the queue to drain). Per layer under torch.compile (the count of its own
-            # layer only, see _squaring_count) and torch.export (counts computed in the graph).
-            compiling = torch.compiler.is_compiling() or torch.compiler.is_exporting()
-            self.counts = None if compiling else _eager_squaring_counts(self.norm2)
+            # GPU each read waits for the queue to drain). Under torch.compile and torch.export the counts are
+            # computed in the graph, per layer (see _squaring_count)
+            traced = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+            self.counts = None if traced else _eager_squaring_counts(self.norm2)
 
             table = _word_table(gen)  # (L H M, T, b, b)
             # token-last squarings pay off for large stacks of small blocks; small stacks (ComRoPE's per-value
-            # exponentials) are cheaper as one bmm per squaring than as b multiply-adds
+            # exponentials) are cheaper as one bmm per squaring than as b multiply-adds. Eager only: a traced
+            # graph's count is a tensor, squared by bmm (_SelectedSquarings or torch.cond)
             self.token_last = (
-                not torch.compiler.is_exporting()
+                not traced
                 and self.device_type in _TOKEN_LAST_DEVICES
                 and b <= _TOKEN_LAST_MAX_BLOCK
                 and heads * blocks * len(coords) >= _TOKEN_LAST_MIN_STACK
@@ -363,9 +386,11 @@ class LayerExponentials:
             if isinstance(squarings, int):
                 for _ in range(squarings):
                     rot = torch.bmm(rot, rot)
-            else:  # exporting: the count is a tensor of the weights; each possible squaring is a torch.cond
+            elif torch.compiler.is_exporting():  # the count is a tensor; each possible squaring is a torch.cond
                 for i in range(MAX_EXPORT_SQUARINGS):
                     rot = torch.cond(squarings > i, _square, _unchanged, (rot,))
+            else:  # compiling: every possible squaring, kept where the count asks for it
+                rot = _SelectedSquarings.apply(rot, squarings)
             return rot.view(self.heads, stop - start, self.blocks, self.block_size, self.block_size).float()
 
     def rotate_qkv_(
@@ -509,15 +534,23 @@ class _SquaredQKVRotation(torch.autograd.Function):
 def _squaring_count(norm2: torch.Tensor) -> int | torch.Tensor:
     """Squarings s with ||M||_2 / 2^s <= _THETA for every exponent M of a layer, from their squared Frobenius norms.
 
-    A Python int in eager mode, and under torch.compile too: it is read outside the graph, so the compiled code
-    depends on the count only, not on the weights (a training step does not recompile). Under ``torch.export``
-    the count is a function of the weights, so it stays a 0-d tensor (at most :data:`MAX_EXPORT_SQUARINGS`)
-    that the exported graph evaluates when it runs.
+    A Python int in eager mode (:func:`_eager_squaring_count`). In a traced graph a 0-d tensor of the weights,
+    the same count computed on the device, so that no host read splits the graph and new weights need no new
+    graph: at most :data:`MAX_COMPILED_SQUARINGS` under ``torch.compile`` (:class:`_SelectedSquarings` runs them
+    all), at most :data:`MAX_EXPORT_SQUARINGS` under ``torch.export`` (each behind a ``torch.cond``).
     """
     if torch.compiler.is_exporting():
-        rho = (norm2.max().clamp(min=0) / 2).sqrt()
-        return torch.ceil(torch.log2(rho / _THETA)).clamp(0, MAX_EXPORT_SQUARINGS)
+        return _traced_squaring_count(norm2, MAX_EXPORT_SQUARINGS)
+    if torch.compiler.is_compiling():
+        return _traced_squaring_count(norm2, MAX_COMPILED_SQUARINGS)
     return _eager_squaring_count(norm2)
+
+
+def _traced_squaring_count(norm2: torch.Tensor, maximum: int) -> torch.Tensor:
+    """:func:`_eager_squaring_count` as a 0-d tensor in the dtype of ``norm2``, clamped to ``maximum``."""
+    largest = norm2.max() if norm2.numel() else norm2.new_zeros(())
+    rho = (largest.clamp(min=0) / 2).sqrt()
+    return torch.ceil(torch.log2(rho / _THETA)).clamp(0, maximum)  # log2(0) = -inf: clamped to 0 squarings
 
 
 @torch.compiler.disable
@@ -532,6 +565,40 @@ def _eager_squaring_counts(norm2: torch.Tensor) -> list[int]:
 def _eager_squaring_count(norm2: torch.Tensor) -> int:
     rho = math.sqrt(max(float(norm2.max()), 0.0) / 2) if norm2.numel() else 0.0
     return max(0, math.ceil(math.log2(rho / _THETA))) if rho > _THETA else 0
+
+
+def _selected_chain(rot: torch.Tensor, count: torch.Tensor, length: int) -> list[torch.Tensor]:
+    """[R_0, ..., R_length] with R_0 = ``rot`` and R_{i + 1} = R_i R_i where i < ``count``, else R_i."""
+    chain = [rot]
+    for i in range(length):
+        chain.append(torch.where(count > i, torch.bmm(chain[-1], chain[-1]), chain[-1]))
+    return chain
+
+
+class _SelectedSquarings(torch.autograd.Function):
+    """R^(2^count) of a (G, b, b) stack R for a 0-d tensor ``count`` <= :data:`MAX_COMPILED_SQUARINGS`, without
+    reading the count on the host (a compiled graph stays whole, CUDA graphs included): each of the
+    :data:`MAX_COMPILED_SQUARINGS` squarings is computed and kept only where i < count, so the result is eager's
+    ``count`` squarings (the unused ones cost a bmm of the stack each; positions are shared by the batch, so
+    this is work per forward, not per image).
+
+    Only R is saved: the backward squares it again (dR = dY R^T + R^T dY for Y = R R, where the squaring was
+    kept), instead of holding the :data:`MAX_COMPILED_SQUARINGS` stacks from forward to backward.
+    """
+
+    @staticmethod
+    def forward(ctx, rot: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rot, count)
+        return _selected_chain(rot, count, MAX_COMPILED_SQUARINGS)[-1]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rot, count = ctx.saved_tensors
+        chain = _selected_chain(rot, count, MAX_COMPILED_SQUARINGS - 1)  # the input of every squaring
+        for i in reversed(range(MAX_COMPILED_SQUARINGS)):
+            rot_t = chain[i].transpose(-1, -2)
+            grad = torch.where(count > i, torch.baddbmm(torch.bmm(grad, rot_t), rot_t, grad), grad)
+        return grad, None
 
 
 def _square(rot: torch.Tensor) -> torch.Tensor:
