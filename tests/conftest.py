@@ -107,12 +107,11 @@ PATCH_DROP_DIFFERS = {
     "cable": "Cable sums the steps read from every patch between the pair, dropped patches included",
 }
 # - torch.compile with dynamic shapes: schemes that recompile (cleanly) for every new grid instead of running all
-#   grids on one graph. LieRE and ComRoPE read their squaring count (set by the largest coordinate and the
-#   generators) outside the graph; iRPE caches its per-grid state in a dict keyed by the grid, CPE's convolution
+#   grids on one graph. iRPE caches its per-grid state in a dict keyed by the grid, CPE's convolution
 #   specialises on it, every bias scheme builds Python index ranges over the tokens of its per-offset tables, and
 #   AOTAutograd fixes the token count of sincos and fourier tables added to tokens that require grad (their
 #   inference graph is dynamic), and LOOPE walks its Gilbert curve in Python for each grid.
-RECOMPILE_PER_GRID = {"cpe", "sincos", "fourier", "loope", *BIAS, *LIE}
+RECOMPILE_PER_GRID = {"cpe", "sincos", "fourier", "loope", *BIAS}
 # - options a scheme needs in the small models of the generic tests (none so far: every scheme builds from the
 #   model's dim, num_heads and depth alone)
 MODEL_OPTIONS: dict[str, dict] = {}

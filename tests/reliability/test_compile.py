@@ -14,14 +14,15 @@ from torch._dynamo.utils import counters
 
 import visionpe
 from visionpe.multimodal import MultimodalRotary, apply_multimodal_rotary, get_position_ids
+from visionpe.rotary import expm
 
 from ..conftest import FAMILY_REPRESENTATIVES, RECOMPILE_PER_GRID
 from .helpers import LIE, perturb_, tiny_vit
 
 # One graph with dynamic shapes (torch.compile(dynamic=True)) runs all three grids of a scheme; a parameter update
-# (a training step) reuses it too. The schemes of RECOMPILE_PER_GRID (tests/conftest.py, with the reasons) recompile
-# cleanly for every new grid instead; for LieRE and ComRoPE a count that new weights change recompiles once (new
-# weights with the same count do not). ALiBi shares LookHere's per-offset code: one size keeps the suite short.
+# (a training step) reuses it too (LieRE and ComRoPE included: their squaring count is computed in the graph). The
+# schemes of RECOMPILE_PER_GRID (tests/conftest.py, with the reasons) recompile cleanly for every new grid instead.
+# ALiBi shares LookHere's per-offset code: one size keeps the suite short.
 SIZES = [(3, 4), (4, 6), (5, 3)]
 ONE_SIZE = {"alibi2d"}
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -99,9 +100,9 @@ def test_scheme_compiles_and_matches_eager(name):
     compiled = _check_compiled_matches_eager(fn, scheme, make_input, sizes, (True, not dynamic, not dynamic))
     if name != "none":  # "none" adds nothing, so there is no graph
         assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled (eager fallback)"
-    # a training step changes the parameters, not the graph (for LieRE / ComRoPE: a step that keeps the squaring
-    # count; a step that changes it recompiles once for the new count)
-    perturb_(scheme, scale=1e-3 if name in LIE else 0.05, seed=1)
+    # a training step changes the parameters, not the graph (LieRE / ComRoPE: whatever their squaring count,
+    # test_lie_exponentials_follow_the_weights_on_one_graph)
+    perturb_(scheme, scale=0.05, seed=1)
     x, size = make_input(sizes[-1]), sizes[-1]
     with torch.compiler.set_stance("fail_on_recompile"):
         out, grads = _forward_backward(compiled, scheme, x, size)
@@ -164,22 +165,33 @@ def test_multimodal_rotary_compiles_and_matches_eager(scheme, kwargs):
     assert counters["stats"]["unique_graphs"] >= 1
 
 
-# Schemes whose rotations depend on data-dependent values: LieRE and ComRoPE choose the number of squarings of their
-# matrix exponential from the generators' norms (a host-side count), and ComRoPE builds its exponentials once per
-# distinct coordinate value (torch.unique), so dynamo breaks the graph there. Strict: a fix makes the test fail
-# until the entry is removed.
-GRAPH_BREAKS = {"liere", "comrope_ap", "comrope_ld"}
+@pytest.mark.parametrize("name", LIE)
+def test_lie_exponentials_follow_the_weights_on_one_graph(name, monkeypatch):
+    """LieRE's and ComRoPE's squaring count is set by the generators' norms: the compiled graph computes it when it
+    runs (every possible squaring, kept where the count asks for it), so weights that change the count reuse the
+    graph and still match eager, forward and gradients. ComRoPE-LD is checked here too: compiled, it takes every
+    token's exponential in one series (no distinct values), a form the family test (ComRoPE-AP) does not run."""
+    torch.manual_seed(0)
+    scheme, fn, make_input = _scheme_call(name)
+    counts, eager_counts = [], expm._eager_squaring_counts
+    monkeypatch.setattr(expm, "_eager_squaring_counts", lambda norm2: counts.append(eager_counts(norm2)) or counts[-1])
+    size = SIZES[1]
+    compiled = _check_compiled_matches_eager(fn, scheme, make_input, [size], recompile=(True,))
+    before = max(max(c) for c in counts)
+    with torch.no_grad():
+        for param in scheme.parameters():
+            param.mul_(6.0)
+    counts.clear()
+    x = make_input(size)
+    ref, ref_grads = _forward_backward(fn, scheme, x, size)
+    assert max(max(c) for c in counts) > before, f"scaling the generators did not change the count: {before}"
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out, grads = _forward_backward(compiled, scheme, x, size)
+    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(grads, ref_grads, **TOL)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="data-dependent rotations"))
-        if n in GRAPH_BREAKS
-        else n
-        for n in visionpe.list_schemes()
-    ],
-)
+@pytest.mark.parametrize("name", visionpe.list_schemes())
 def test_whole_model_compiles_without_graph_breaks(name):
     # torch._dynamo.explain traces the whole model's forward as torch.compile does (without inductor's code
     # generation): the position code must not split the graph, or CUDA graphs and max-autotune lose the model
