@@ -69,16 +69,17 @@ FIELDS = ["task", "kind", "model", "mode", "seed", "scale", "size", "acc", "n"]
 def scheme_options(name: str, embed_dim: int) -> dict:
     """``model.pos_embed_kwargs`` for scheme ``name`` in this benchmark (empty: the scheme's defaults).
 
-    The learned table starts at big_vision's scale, std ``1 / sqrt(embed_dim)`` (0.125 at width 64), instead of
-    timm's 0.02: at 0.02 the table is so small next to the patch embedding of a 4 x 4 patch that the gradient
-    reaching it vanishes and the model never leaves chance on the position tasks in this schedule (measured: loss
-    stuck at ln 4 for 600 steps). timm's APE reference row keeps timm's own initialisation, as a reference should.
+    The learned tables (``learned``, ``learned_factorized``) start at big_vision's scale, std
+    ``1 / sqrt(embed_dim)`` (0.125 at width 64), instead of timm's 0.02: at 0.02 a table is so small next to the
+    embedding of a 4 x 4 patch that the gradient reaching it vanishes and the model never leaves chance on the
+    position tasks in this schedule (measured: loss stuck at ln 4 for 600 steps). timm's APE reference row keeps
+    timm's own initialisation, as a reference should.
 
     SeqPE's position network is scaled to the model as in the digits benchmark (width ``embed_dim // 2``, the
     paper's ratio of half the model width, 2 heads): at its default width 384 its two auxiliary losses cost tens of
     times the step of this small model.
     """
-    if name == "learned":
+    if name in ("learned", "learned_factorized"):
         return {"init_std": embed_dim**-0.5}
     if name == "seqpe":
         return {"embed_dim": embed_dim // 2, "encoder_heads": 2}

@@ -77,3 +77,13 @@ def test_model_and_bad_input():
         _factorized(ar_preserving="yes")
     with pytest.raises(ValueError, match="2D"):
         _factorized().table((2, 3, 4))
+
+
+def test_init_std_scales_both_tables():
+    torch.manual_seed(0)
+    default, wide = _factorized((64, 64)), _factorized((64, 64), init_std=0.125)
+    for pe, std in ((default, 0.02), (wide, 0.125)):
+        for table in (pe.pos_embed_y, pe.pos_embed_x):
+            assert abs(table.std().item() - std) < 0.1 * std
+    with pytest.raises(ValueError, match="init_std"):
+        _factorized(init_std=0.0)

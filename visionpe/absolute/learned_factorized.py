@@ -1,7 +1,8 @@
 """Factorized learned position embedding: Dehghani et al., "Patch n' Pack: NaViT, a Vision Transformer for any Aspect
 Ratio and Resolution", NeurIPS 2023.
 
-Two learned tables, one per axis: E_y (H0, C) and E_x (W0, C), normal(0.02) as timm's NaFlex models initialise them;
+Two learned tables, one per axis: E_y (H0, C) and E_x (W0, C), normal(0.02) as timm's NaFlex models initialise them
+(``init_std`` sets another scale);
 patch (i, j) gets E_y[i] + E_x[j], added to the patch tokens only (prefix tokens get nothing). At another grid (H, W)
 each table is resampled on its own, linearly (``align_corners=False``, no antialias), to H rows and W columns; with
 ``ar_preserving`` both to max(H, W) and the first H and W entries kept, as timm's ``NaFlexEmbeds`` with
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..base import AbsolutePositionEncoding
-from ..checks import check_instance
+from ..checks import check_float, check_instance
 from ..grid import is_symbolic_grid, validate_grid_size
 from ..registry import register_scheme
 
@@ -40,6 +41,8 @@ class FactorizedPosEmbed(AbsolutePositionEncoding):
         num_prefix_tokens: cls + register tokens (the model passes it); they get no embedding.
         ar_preserving: resample both axes to max(H, W) and keep the first H and W entries (timm's
             ``pos_embed_ar_preserving=True``); default False: each axis to its own length.
+        init_std: standard deviation of both tables' normal initialisation (default 0.02, timm's NaFlex models;
+            big_vision draws position tables with std ``1 / sqrt(dim)``).
     """
 
     no_embed_class = True
@@ -52,6 +55,7 @@ class FactorizedPosEmbed(AbsolutePositionEncoding):
         grid_size: tuple[int, int] = (14, 14),
         num_prefix_tokens: int = 1,
         ar_preserving: bool = False,
+        init_std: float = 0.02,
     ) -> None:
         super().__init__()
         self.grid_size = validate_grid_size(grid_size, ndims=(2,))
@@ -59,8 +63,9 @@ class FactorizedPosEmbed(AbsolutePositionEncoding):
         self.ar_preserving = ar_preserving
         self.num_prefix_tokens = num_prefix_tokens
         height, width = self.grid_size
-        self.pos_embed_y = nn.Parameter(torch.randn(1, height, dim) * 0.02)
-        self.pos_embed_x = nn.Parameter(torch.randn(1, width, dim) * 0.02)
+        check_float(init_std, "init_std", min=0.0, min_open=True)
+        self.pos_embed_y = nn.Parameter(torch.randn(1, height, dim) * init_std)
+        self.pos_embed_x = nn.Parameter(torch.randn(1, width, dim) * init_std)
 
     def no_weight_decay(self) -> set[str]:
         """Both tables, as timm keeps its position tables out of weight decay."""
