@@ -126,19 +126,24 @@ def check_previous_rows(
     rows: list[dict], setting: BenchSetting, seeds: list[int], schemes: list[str], tasks: list[str]
 ) -> list[dict]:
     """The rows of the (task, scheme) pairs this run does not measure (``schemes`` x ``tasks``), after checking that
-    they come from ``setting`` and ``seeds``: for every (task, scheme), the seeds are exactly ``seeds`` and every seed
-    has the setting's evaluation lengths, steps and questions per length. A ValueError names the first difference."""
+    they come from ``setting`` and ``seeds``: every seed has the setting's evaluation lengths, steps and questions per
+    length, and the seeds of every (task, scheme) are exactly ``seeds`` on the tasks this run measures (rows of one
+    table), or on another task the seeds of every other scheme of that task. A ValueError names the first
+    difference."""
     kept = [r for r in rows if r["scheme"] not in schemes or r["task"] not in tasks]
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in kept:
         if row["task"] not in TASKS or row["scheme"] not in BENCH_SCHEMES:
             raise ValueError(f"previous rows name an unknown task or scheme: {row['task']!r}, {row['scheme']!r}")
         groups.setdefault((row["task"], row["scheme"]), []).append(row)
+    table_seeds = {task: sorted(seeds) for task in tasks}
     for (task, scheme), group in groups.items():
         where = f"previous rows of {scheme} on {task}"
         got_seeds = sorted({int(r["seed"]) for r in group})
-        if got_seeds != sorted(seeds):
-            raise ValueError(f"{where} have seeds {got_seeds}, this run {sorted(seeds)}")
+        expected = table_seeds.setdefault(task, got_seeds)
+        if got_seeds != expected:
+            other = "this run" if task in tasks else "other schemes of that task"
+            raise ValueError(f"{where} have seeds {got_seeds}, {other} {expected}")
         if task not in setting.steps:
             raise ValueError(f"{where}: setting {setting.name!r} has no steps for task {task!r}")
         for seed in got_seeds:

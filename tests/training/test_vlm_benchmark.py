@@ -527,6 +527,13 @@ def test_update_measures_the_named_schemes_and_keeps_the_others(tmp_path, monkey
         assert exit_info.value.code == 2
         assert re.search(match, capsys.readouterr().err)
         assert (tmp_path / "docs" / "vlm.md").read_text() == text
+    # a table this run does not touch keeps its own seeds (one set for all its schemes)
+    measured = ["mrope", "cca", "rope_dhr"]
+    kept = _script().check_previous_rows(after, SETTINGS["quick"], [0], measured, ["grid"])
+    assert {(r["task"], r["seed"]) for r in kept if r["scheme"] == "cca"} == {("video", "0"), ("video", "1")}
+    mixed = [r for r in after if not (r["task"] == "video" and r["scheme"] == "mrope" and r["seed"] == "1")]
+    with pytest.raises(ValueError, match=r"cca on video have seeds \[0, 1\], other schemes of that task \[0\]"):
+        _script().check_previous_rows(mixed, SETTINGS["quick"], [0], measured, ["grid"])
     with pytest.raises(ValueError, match=r"mrope on grid, seed 0: 250 steps and 100 questions per length, setting"):
         rows = [{**r, "steps": "250"} for r in after]
         _script().check_previous_rows(rows, replace(SETTINGS["quick"], steps={"grid": 9, "video": 9}), [0, 1], [], [])
