@@ -530,10 +530,7 @@ def set_attention_backend(model: nn.Module, backend: str) -> nn.Module:
             "backend='flex' needs torch.nn.attention.flex_attention (PyTorch >= 2.5); "
             f"this is PyTorch {torch.__version__}"
         )
-    for module in model.modules():
-        if isinstance(module, PosAttention):
-            module.attn_backend = backend
-    return model
+    return _switch_attention(model, "attn_backend", backend)
 
 
 def set_rotary_backend(model: nn.Module, backend: str) -> nn.Module:
@@ -569,7 +566,12 @@ def set_rotary_backend(model: nn.Module, backend: str) -> nn.Module:
     """
     check_instance(model, "model", nn.Module, expected="a torch.nn.Module")
     check_choice(backend, "backend", ROTARY_BACKENDS)
+    return _switch_attention(model, "rotary_backend", backend)
+
+
+def _switch_attention(model: nn.Module, attribute: str, value: str) -> nn.Module:
+    """Set ``attribute`` to ``value`` on every :class:`PosAttention` of ``model``; return ``model``."""
     for module in model.modules():
         if isinstance(module, PosAttention):
-            module.rotary_backend = backend
+            setattr(module, attribute, value)
     return model

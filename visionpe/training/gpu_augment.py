@@ -228,6 +228,22 @@ def _first_valid(valid: torch.Tensor, *values: torch.Tensor) -> tuple[torch.Tens
     return tuple(value.gather(1, first)[:, 0] for value in values)
 
 
+def _box_tries(
+    area: torch.Tensor, scale: tuple[float, float], ratio: tuple[float, float], generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """timm's 10 tries of a box per sample (RandomResizedCrop, RandomErasing): a target area uniform in ``scale``
+    times ``area`` (B, 1), an aspect log-uniform in ``ratio``; the sides ``round(sqrt(target * aspect))`` and
+    ``round(sqrt(target / aspect))``, each (B, 10), in that order (crops call them width and height, erasing the
+    other way round, as timm does)."""
+    batch, tries = len(area), 10
+    u_area = torch.rand(batch, tries, generator=generator, dtype=torch.float64)
+    u_ratio = torch.rand(batch, tries, generator=generator, dtype=torch.float64)
+    target = (scale[0] + (scale[1] - scale[0]) * u_area) * area
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    aspect = torch.exp(log_lo + (log_hi - log_lo) * u_ratio)
+    return torch.round(torch.sqrt(target * aspect)).long(), torch.round(torch.sqrt(target / aspect)).long()
+
+
 def _randint(high: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One uniform integer in ``[0, high]`` per entry (``random.randint(0, high)``)."""
     u = torch.rand(high.shape, generator=generator, dtype=torch.float64)
@@ -264,16 +280,8 @@ def sample_resized_crop(
     scale, ratio = _check_pair("scale", scale, 0.0, 1.0), _check_pair("ratio", ratio, 0.0, None)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    batch, tries = len(heights), 10
     H, W = heights.double()[:, None], widths.double()[:, None]
-    area = H * W
-    u_area = torch.rand(batch, tries, generator=generator, dtype=torch.float64)
-    u_ratio = torch.rand(batch, tries, generator=generator, dtype=torch.float64)
-    target_area = (scale[0] + (scale[1] - scale[0]) * u_area) * area
-    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    aspect = torch.exp(log_lo + (log_hi - log_lo) * u_ratio)
-    w = torch.round(torch.sqrt(target_area * aspect)).long()
-    h = torch.round(torch.sqrt(target_area / aspect)).long()
+    w, h = _box_tries(H * W, scale, ratio, generator)
     valid = (w <= W.long()) & (h <= H.long())
     h, w = _first_valid(valid, h, w)
     found = valid.any(1)
@@ -591,15 +599,7 @@ class BatchAugment(torch.nn.Module):
 
     def _sample_erase(self, size: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """timm's RandomErasing box (count 1) per sample: (B, 4) ``(top, left, h, w)``, h = 0 when no try fits."""
-        batch, tries = len(size), 10
-        area = (size * size).double()[:, None]
-        u_area = torch.rand(batch, tries, generator=generator, dtype=torch.float64)
-        u_ratio = torch.rand(batch, tries, generator=generator, dtype=torch.float64)
-        target = (_ERASE_AREA[0] + (_ERASE_AREA[1] - _ERASE_AREA[0]) * u_area) * area
-        lo, hi = math.log(_ERASE_ASPECT[0]), math.log(_ERASE_ASPECT[1])
-        aspect = torch.exp(lo + (hi - lo) * u_ratio)
-        h = torch.round(torch.sqrt(target * aspect)).long()
-        w = torch.round(torch.sqrt(target / aspect)).long()
+        h, w = _box_tries((size * size).double()[:, None], _ERASE_AREA, _ERASE_ASPECT, generator)
         valid = (w < size[:, None]) & (h < size[:, None])
         h, w = _first_valid(valid, h, w)
         found = valid.any(1)
