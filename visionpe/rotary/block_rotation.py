@@ -60,7 +60,18 @@ def apply_block_rotation(x: torch.Tensor, rot: torch.Tensor, num_prefix_tokens: 
             f"rot (num_heads | 1, N, head_dim // b, b, b) = {tuple(rot.shape)} does not match x {tuple(x.shape)} "
             f"with {num_prefix_tokens} prefix tokens"
         )
+    if torch.compiler.is_compiling():  # dynamo cannot trace _BlockRotation's backward
+        return _summed_block_rotation(x, rot.to(x.dtype), num_prefix_tokens)
     return _BlockRotation.apply(x, rot.to(x.dtype), num_prefix_tokens)
+
+
+def _summed_block_rotation(x: torch.Tensor, rot: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
+    """:func:`apply_block_rotation` as plain tensor operations with autograd's own backward, for a compiled graph:
+    R v per block as a product summed over the block's columns (one fused kernel, no (G, b, C) copies), the prefix
+    tokens put back in front unchanged. The same rotations to float rounding."""
+    tokens = x[..., num_prefix_tokens:, :].unflatten(-1, (rot.shape[-3], rot.shape[-1]))  # (..., heads, N, m, b)
+    out = (rot * tokens.unsqueeze(-2)).sum(-1).flatten(-2)
+    return torch.cat((x[..., :num_prefix_tokens, :], out), -2) if num_prefix_tokens else out
 
 
 class _BlockRotation(torch.autograd.Function):

@@ -34,8 +34,7 @@ import torch
 from ..base import RotaryPositionEncoding, check_layer, check_model_shape
 from ..checks import check_bool, is_int
 from ..tokens import gather_tokens, scatter_tokens
-from .block_rotation import TokenRotations
-from .block_rotation import apply_block_rotation as _apply_block_rotation
+from .block_rotation import TokenRotations, apply_block_rotation
 from .expm import LayerExponentials, block_skew_expm
 from .scaling import SCALING_MODES, Extrapolation, yarn_attention_factor
 from .state import IdentityRotation, LayerRotation, RotaryState
@@ -81,8 +80,6 @@ class BlockRotation(LayerRotation):
     def _rotate_blocks(self, qk: torch.Tensor, transpose: bool = False, cache: bool = False) -> torch.Tensor:
         """R x per block (R^T x with ``transpose``); ``cache``: keep every token's rotations for the next call."""
         num_prefix_tokens, tokens = self.num_prefix_tokens, self.rotations.num_tokens
-        # a compiled graph takes the plain-autograd product (dynamo cannot trace _BlockRotation's backward)
-        apply_block_rotation = _traced_block_rotation if torch.compiler.is_compiling() else _apply_block_rotation
 
         def chunk(start: int, stop: int) -> torch.Tensor:
             rot = self.rotations(start, stop)
@@ -127,20 +124,6 @@ class BlockRotation(LayerRotation):
             return super().rotate_qkv(qkv, batch, num_heads, keep)
         qkv = self.rotations.rotate_qkv_(qkv, num_heads, self.num_prefix_tokens, self.num_tokens)
         return IdentityRotation().rotate_qkv(qkv, batch, num_heads)
-
-
-def _traced_block_rotation(x: torch.Tensor, rot: torch.Tensor, num_prefix_tokens: int = 0) -> torch.Tensor:
-    """:func:`~visionpe.rotary.block_rotation.apply_block_rotation` as plain tensor operations, for a compiled
-    graph: R v per block as a product summed over the block's columns (one fused kernel, no (G, b, C) copies),
-    the prefix tokens put back in front unchanged. The same rotations to float rounding."""
-    if rot.ndim != 5 or rot.shape[-3] * rot.shape[-1] != x.shape[-1] or rot.shape[1] != x.shape[-2] - num_prefix_tokens:
-        raise ValueError(
-            f"rot (num_heads | 1, N, head_dim // b, b, b) = {tuple(rot.shape)} does not match x {tuple(x.shape)} "
-            f"with {num_prefix_tokens} prefix tokens"
-        )
-    tokens = x[..., num_prefix_tokens:, :].unflatten(-1, (rot.shape[-3], rot.shape[-1]))  # (..., heads, N, m, b)
-    out = (rot.to(x.dtype) * tokens.unsqueeze(-2)).sum(-1).flatten(-2)
-    return torch.cat((x[..., :num_prefix_tokens, :], out), -2) if num_prefix_tokens else out
 
 
 @dataclass(frozen=True)
