@@ -869,6 +869,47 @@ def _prepare_batch(batch: Any, device: torch.device, size: int, clips: bool) -> 
     return x, labels, _HostParams(params)
 
 
+class _GPUPipelineHooks:
+    """What the image-folder and frame-clip data modules share of the GPU pipeline: the two switches, the choice
+    of where training files are decoded, the worker dataset and the hook before the transfer. The data module
+    sets ``gpu_pipeline``, ``decode_on_device`` (:meth:`_set_gpu_pipeline`), ``augment``, ``img_size`` and
+    ``seed``; ``_clips`` says whether its batches are clips (B, T, C, H, W)."""
+
+    _clips = False
+
+    def _set_gpu_pipeline(self, gpu_pipeline: bool, decode_on_device: bool) -> None:
+        for name, flag in (("gpu_pipeline", gpu_pipeline), ("decode_on_device", decode_on_device)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} ({flag!r})")
+        self.gpu_pipeline, self.decode_on_device = gpu_pipeline, decode_on_device
+
+    def _decodes_on_device(self) -> bool:
+        """Whether training files are decoded on the trainer's device: a CUDA device and ``decode_on_device``."""
+        trainer = getattr(self, "trainer", None)
+        return bool(self.decode_on_device and trainer is not None and trainer.strategy.root_device.type == "cuda")
+
+    def _worker_samples(
+        self, files: Callable[[int], tuple[list[Path], int]], length: int, interpolation: str
+    ) -> _WorkerSamples:
+        """The training samples the workers prepare (decoded there, or encoded for :meth:`on_before_batch_transfer`)."""
+        return _WorkerSamples(
+            files,
+            length,
+            self.augment,
+            self.seed,
+            interpolation,
+            encoded=self._decodes_on_device(),
+            clips=self._clips,
+        )
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """GPU pipeline: decode an encoded training batch on the trainer's device (CUDA) and crop it to img_size;
+        the augmentation parameters stay on the host (read there without a device sync)."""
+        if not self.gpu_pipeline or self.trainer is None:
+            return batch
+        return _prepare_batch(batch, self.trainer.strategy.root_device, self.img_size, clips=self._clips)
+
+
 def _augment_batch(batch: Any, augment: BatchAugment, size: int, clips: bool) -> Any:
     """``(x, y, params)`` -> ``(augment(x, params), y)`` on the batch's device; other batches pass through."""
     if not _is_device_batch(batch):

@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from .gpu_augment import BatchAugment, _augment_batch, _collate_samples, _prepare_batch, _WorkerSamples
+from .gpu_augment import BatchAugment, _augment_batch, _collate_samples, _GPUPipelineHooks, _WorkerSamples
 from .sampling import (
     _TRAIN_STREAM,
     EpochSampler,
@@ -131,7 +131,7 @@ class _ImageFiles:
         return [Path(path)], label
 
 
-class ImageFolderDataModule(L.LightningDataModule):
+class ImageFolderDataModule(_GPUPipelineHooks, L.LightningDataModule):
     """ImageNet-layout ``root/train`` and ``root/val`` folders with timm's training and eval transforms.
 
     Batches are ``(x, y)``: x (B, 3, S, S) float32 normalised with ImageNet's mean/std, y (B,) int64; S is
@@ -198,10 +198,7 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.re_prob = float(re_prob)
         self.eval_sizes = (self.img_size,) if eval_sizes is None else _check_int_tuple("eval_sizes", eval_sizes)
         self.seed = _check_int("seed", seed, minimum=0)
-        for name, flag in (("gpu_pipeline", gpu_pipeline), ("decode_on_device", decode_on_device)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} ({flag!r})")
-        self.gpu_pipeline, self.decode_on_device = gpu_pipeline, decode_on_device
+        self._set_gpu_pipeline(gpu_pipeline, decode_on_device)
         self.augment: BatchAugment | None = None
         if gpu_pipeline:
             if self.interpolation == "nearest":
@@ -290,28 +287,10 @@ class ImageFolderDataModule(L.LightningDataModule):
         self.setup()
         if not self.gpu_pipeline:
             return self._loader(self.train_dataset, training=True)
-        samples = _WorkerSamples(
-            _ImageFiles(self._train_images.samples),
-            len(self._train_images),
-            self.augment,
-            self.seed,
-            self.interpolation,
-            encoded=self._decodes_on_device(),
-            clips=False,
+        samples = self._worker_samples(
+            _ImageFiles(self._train_images.samples), len(self._train_images), self.interpolation
         )
         return self._loader(samples, training=True)
-
-    def _decodes_on_device(self) -> bool:
-        """Whether training images are decoded on the trainer's device: a CUDA device and ``decode_on_device``."""
-        trainer = getattr(self, "trainer", None)
-        return bool(self.decode_on_device and trainer is not None and trainer.strategy.root_device.type == "cuda")
-
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """GPU pipeline: decode an encoded training batch on the trainer's device (CUDA) and crop it to img_size;
-        the augmentation parameters stay on the host (read there without a device sync)."""
-        if not self.gpu_pipeline or self.trainer is None:
-            return batch
-        return _prepare_batch(batch, self.trainer.strategy.root_device, self.img_size, clips=False)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """GPU pipeline: ``(x uint8, y, params)`` -> ``(x, y)`` augmented on the batch's device (B, 3, S, S) float32.

@@ -36,7 +36,7 @@ from torchvision import tv_tensors
 from torchvision.datasets.folder import IMG_EXTENSIONS
 from torchvision.transforms import InterpolationMode, v2
 
-from .gpu_augment import BatchAugment, _augment_batch, _collate_samples, _prepare_batch, _WorkerSamples
+from .gpu_augment import BatchAugment, _augment_batch, _collate_samples, _GPUPipelineHooks, _WorkerSamples
 from .image_folder import IMAGENET_MEAN, IMAGENET_STD
 from .sampling import (
     _TRAIN_STREAM,
@@ -185,7 +185,7 @@ class _FrameClips(Dataset):
         return video.as_subclass(torch.Tensor).permute(1, 0, 2, 3).contiguous(), label
 
 
-class FrameClipDataModule(L.LightningDataModule):
+class FrameClipDataModule(_GPUPipelineHooks, L.LightningDataModule):
     """Video clips stored as folders of frames, sampled with a temporal stride.
 
     Batches are ``(x, y)``: x (B, 3, num_frames, img_size, img_size) float32 normalised with ImageNet's mean/std,
@@ -218,6 +218,7 @@ class FrameClipDataModule(L.LightningDataModule):
     """
 
     mean, std = IMAGENET_MEAN, IMAGENET_STD
+    _clips = True  # GPU pipeline batches are (B, T, C, H, W)
     size_label = "frames"
 
     def __init__(
@@ -257,10 +258,7 @@ class FrameClipDataModule(L.LightningDataModule):
             (self.num_frames,) if eval_frames is None else _check_int_tuple("eval_frames", eval_frames, minimum=1)
         )
         self.seed = _check_int("seed", seed, minimum=0)
-        for name, flag in (("gpu_pipeline", gpu_pipeline), ("decode_on_device", decode_on_device)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} ({flag!r})")
-        self.gpu_pipeline, self.decode_on_device = gpu_pipeline, decode_on_device
+        self._set_gpu_pipeline(gpu_pipeline, decode_on_device)
         # the CPU recipe on the device: RandomResizedCrop (torchvision's ratio range, done on the workers), flip
         self.augment = (
             BatchAugment(self.img_size, scale=self.scale, hflip=self.hflip, rand_augment=None, re_prob=0.0)
@@ -350,25 +348,8 @@ class FrameClipDataModule(L.LightningDataModule):
         self.setup()
         if not self.gpu_pipeline:
             return self._loader(self.train_dataset, training=True)
-        trainer = getattr(self, "trainer", None)
-        encoded = self.decode_on_device and trainer is not None and trainer.strategy.root_device.type == "cuda"
-        samples = _WorkerSamples(
-            self.train_dataset.frame_files,
-            len(self.train_dataset),
-            self.augment,
-            self.seed,
-            "bilinear",
-            encoded=bool(encoded),
-            clips=True,
-        )
+        samples = self._worker_samples(self.train_dataset.frame_files, len(self.train_dataset), "bilinear")
         return self._loader(samples, training=True)
-
-    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """GPU pipeline: decode an encoded training batch on the trainer's device (CUDA) and crop it to img_size;
-        the augmentation parameters stay on the host (read there without a device sync)."""
-        if not self.gpu_pipeline or self.trainer is None:
-            return batch
-        return _prepare_batch(batch, self.trainer.strategy.root_device, self.img_size, clips=True)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """GPU pipeline: ``(x uint8 (B, T, C, S, S), y, params)`` -> ``(x (B, C, T, S, S) float32, y)``.
