@@ -226,28 +226,42 @@ def main() -> None:
                 img_size=args.size,
                 **drop,
             )
+
+    def add_switched(option: str, given: list[str], candidates: list[str], what: str, tag: str, switch) -> list[str]:
+        """Rows '<scheme> (<tag>)': the schemes ``given`` (none: every candidate) with ``switch(model)`` applied."""
+        unknown = sorted(set(given) - set(candidates))
+        if unknown:
+            parser.error(f"{option} takes {what} ({', '.join(candidates)}), got {unknown}")
+        labels = []
+        for name in given or candidates:
+            model = timm.create_model("visionpe_vit_small_patch16_224", pos_embed=name, img_size=args.size, **drop)
+            labels.append(f"{name} ({tag})")
+            models[labels[-1]] = switch(model)
+        return labels
+
     if args.flex is not None:
         from bench.fused_bias import fusable_schemes
 
-        fusable = fusable_schemes()
-        unknown = sorted(set(args.flex) - set(fusable))
-        if unknown:
-            parser.error(f"--flex takes bias schemes with per-offset terms ({', '.join(fusable)}), got {unknown}")
-        for name in args.flex or fusable:
-            model = timm.create_model("visionpe_vit_small_patch16_224", pos_embed=name, img_size=args.size, **drop)
-            models[f"{name} (flex)"] = visionpe.set_attention_backend(model, "flex")
+        add_switched(
+            "--flex",
+            args.flex,
+            fusable_schemes(),
+            "bias schemes with per-offset terms",
+            "flex",
+            lambda model: visionpe.set_attention_backend(model, "flex"),
+        )
     compiled = set()  # rows whose first step compiles: warmed up at least once, so that no round times it
     if args.fused_rotary is not None:
-        fusable = fusable_rotary_schemes()
-        unknown = sorted(set(args.fused_rotary) - set(fusable))
-        if unknown:
-            parser.error(
-                f"--fused-rotary takes rotary schemes with cos/sin tables ({', '.join(fusable)}), got {unknown}"
+        compiled.update(
+            add_switched(
+                "--fused-rotary",
+                args.fused_rotary,
+                fusable_rotary_schemes(),
+                "rotary schemes with cos/sin tables",
+                "fused",
+                lambda model: visionpe.set_rotary_backend(model, "fused"),
             )
-        for name in args.fused_rotary or fusable:
-            model = timm.create_model("visionpe_vit_small_patch16_224", pos_embed=name, img_size=args.size, **drop)
-            models[f"{name} (fused)"] = visionpe.set_rotary_backend(model, "fused")
-            compiled.add(f"{name} (fused)")
+        )
     for label, model in models.items():
         model.to(args.device).train()
         for _ in range(max(args.warmup, label in compiled)):
