@@ -54,6 +54,7 @@ from experiments.sweep import (
     _scalable,
     _trained_line,
     accepts_extrapolation,
+    check_config,
     quiet_lightning,
     reference_args,
     train_from_config,
@@ -156,9 +157,7 @@ def _settings(args: argparse.Namespace) -> dict:
         return value if value is not None else quick.get(name, default)
 
     overrides = list(quick.get("overrides", []))
-    if not Path(args.config).is_file():
-        raise ValueError(f"config must be an existing YAML file, got {str(args.config)!r}")
-    with open(args.config) as f:
+    with check_config(args.config).open() as f:
         model_kwargs = dict(yaml.safe_load(f)["model"].get("model_kwargs") or {})
     if args.quick:
         model_kwargs.update(QUICK["model_kwargs"])
@@ -196,8 +195,7 @@ def check_arguments(config: str | Path, settings: dict, tasks: Sequence[str], ki
     reference, task, kind, seed, scale or mode, a scale that gives no whole pixels, a size the data refuses (not a
     multiple of the patch, no whole lattice cells) or a model refuses, a mode that no model accepts.
     """
-    if not Path(config).is_file():
-        raise ValueError(f"config must be an existing YAML file, got {str(config)!r}")
+    check_config(config)
     for task in tasks:
         check_task(task)
     bad_kinds = [k for k in kinds if k not in KINDS]

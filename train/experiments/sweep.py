@@ -29,6 +29,7 @@ from .cli import run_cli
 __all__ = [
     "REFERENCE_MODELS",
     "accepts_extrapolation",
+    "check_config",
     "quiet_lightning",
     "reference_args",
     "run_sweep",
@@ -75,6 +76,13 @@ def reference_args(name: str) -> list[str]:
         raise ValueError(f"unknown reference model {name!r}; valid: {sorted(REFERENCE_MODELS)}")
     _, model_name, overrides = REFERENCE_MODELS[name]
     return [f"--model.model_name={model_name}", *overrides]
+
+
+def check_config(config: str | Path) -> Path:
+    """``config`` as a Path if it names an existing file (the sweep's training config), else a ValueError."""
+    if not Path(config).is_file():
+        raise ValueError(f"config must be an existing YAML file, got {str(config)!r}")
+    return Path(config)
 
 
 def train_from_config(
@@ -326,8 +334,7 @@ def _run_sweep(
     reuse,
     verbose,
 ) -> dict[str, Path]:
-    if not Path(config).is_file():
-        raise ValueError(f"config must be an existing YAML file, got {str(config)!r}")
+    check_config(config)
     unknown = [r for r in references if r not in REFERENCE_MODELS]
     if unknown:
         raise ValueError(f"unknown reference model(s) {unknown}; valid: {sorted(REFERENCE_MODELS)}")
