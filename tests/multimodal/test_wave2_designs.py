@@ -338,7 +338,7 @@ def test_ppe_score_is_the_sum_of_per_subband_scores():
             expected += (zq[:, None, band] * zk[None, :, band].conj() * phase).real.sum(-1)
     torch.testing.assert_close(score, expected, rtol=0, atol=2e-4)
     with pytest.raises(ValueError, match=r"position_ids must be \(3K, B, L\) = \(24, B, L\) for K = 8"):
-        rotary(pos[:3])
+        rotary(pos[:4])
 
 
 def test_ppe_occupancy_compresses_the_block():

@@ -8,13 +8,14 @@ sub-band k reading representative k.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from ..checks import check_tensor
 from .allocation import ppe_split_allocation
-from .rotary import MultimodalRotary
+from .rotary import MultimodalRotary, RopeScaling
 
 __all__ = ["PPERotary"]
 
@@ -28,11 +29,16 @@ class PPERotary(MultimodalRotary):
         num_representatives: K, the positions per token (the rows of the ids are 3K).
         mrope_section: the M-RoPE sections, cut into K sub-bands each (or one-pair sections when K does not
             divide them, as released).
-        attention_scaling: factor on cos and sin.
+        attention_scaling: factor on cos and sin; None (default) takes ``rope_scaling``'s (1 unless YaRN).
+        rope_scaling: the language model's context-extension scaling (linear, dynamic NTK, YaRN...), applied to the
+            frequencies as in :class:`MultimodalRotary`.
 
     Pair n rotates by theta_n * p[row(n)] with row(n) from
     :func:`~visionpe.multimodal.allocation.ppe_split_allocation`; with K = 1 the tables are M-RoPE's. Angles
     are taken in fp32 (integer ids) or fp64 (float64 ids) with autocast off, as :class:`MultimodalRotary`'s.
+    Ids of three rows (t, h, w) stand for a token whose K representatives share its position (text, or tokens
+    that were not merged, as transformers' cached decoding builds them): row a is read by every sub-band of axis
+    a, so that with equal representatives (and K dividing the sections) the tables are M-RoPE's.
 
     Example:
         >>> rot = PPERotary(8, num_representatives=2, mrope_section=(2, 2, 0))
@@ -48,11 +54,17 @@ class PPERotary(MultimodalRotary):
         base: float = 10000.0,
         num_representatives: int = 8,
         mrope_section: Sequence[int] = (16, 24, 24),
-        attention_scaling: float = 1.0,
+        attention_scaling: float | None = None,
+        rope_scaling: RopeScaling | Mapping[str, Any] | None = None,
     ) -> None:
-        # the base class checks head_dim, base, attention_scaling and the sections (as M-RoPE's)
+        # the base class checks head_dim, base, the scalings and the sections (as M-RoPE's)
         super().__init__(
-            head_dim, base=base, allocation="chunked", mrope_section=mrope_section, attention_scaling=attention_scaling
+            head_dim,
+            base=base,
+            allocation="chunked",
+            mrope_section=mrope_section,
+            attention_scaling=attention_scaling,
+            rope_scaling=rope_scaling,
         )
         allocation = ppe_split_allocation(head_dim // 2, mrope_section, num_representatives)
         self.num_representatives = num_representatives
@@ -67,24 +79,33 @@ class PPERotary(MultimodalRotary):
         return cls(head_dim, base=base, **kwargs)
 
     def angles(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """Angles (B, L, D/2) from ids (3K, B, L), or (B, L) (the same id on every row)."""
+        """Angles (B, L, D/2) from ids (3K, B, L), (3, B, L) (every representative at the token's own (t, h, w)) or
+        (B, L) (the same id on every row)."""
         rows = self.mix.shape[1]
         check_tensor(position_ids, "position_ids", expected="a tensor")
         check_tensor(position_ids, "position_ids", dtype="real", expected="integer or floating point")
         if position_ids.ndim == 2:
             position_ids = position_ids.unsqueeze(0).expand(rows, -1, -1)
+        elif position_ids.ndim == 3 and position_ids.shape[0] == 3 and rows != 3:
+            position_ids = position_ids.repeat_interleave(self.num_representatives, dim=0)  # t..t, h..h, w..w
         if position_ids.ndim != 3 or position_ids.shape[0] != rows or 0 in position_ids.shape:
             raise ValueError(
-                f"position_ids must be (3K, B, L) = ({rows}, B, L) for K = {self.num_representatives}, or (B, L), "
-                f"non-empty, got {tuple(position_ids.shape)}"
+                f"position_ids must be (3K, B, L) = ({rows}, B, L) for K = {self.num_representatives}, (3, B, L) or "
+                f"(B, L), non-empty, got {tuple(position_ids.shape)}"
             )
-        if position_ids.is_floating_point() and not torch.isfinite(position_ids).all():
+        if (
+            position_ids.is_floating_point()
+            and not torch.compiler.is_compiling()
+            and not torch.isfinite(position_ids).all()
+        ):
             raise ValueError("position_ids must be finite, got NaN or inf")
+        if self.rope_scaling.rope_type == "dynamic":
+            self._update_dynamic(position_ids)
         row_of_pair = self.mix.argmax(1)  # one-hot rows: a gather is the mix, exactly
         with torch.autocast(position_ids.device.type, enabled=False):
             if position_ids.dtype == torch.float64:
                 pos = position_ids.index_select(0, row_of_pair).permute(1, 2, 0)  # (B, L, P)
-                inv_freq = self._inv_freq(self.base, self.head_dim, torch.float64, position_ids.device)
+                inv_freq = self._frequencies(torch.float64, position_ids.device)
             else:
                 pos = position_ids.index_select(0, row_of_pair).float().permute(1, 2, 0)
                 inv_freq = self.inv_freq

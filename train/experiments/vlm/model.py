@@ -7,8 +7,8 @@ then replaces the decoder's position design and rotary allocation with the chose
 
 Two designs add to the network: BiPE an intra-segment embedding table (``model.bipe_intra``, 1,024 x hidden, as
 released), PPE a token-merging step after the vision tower (:func:`merge_visual_tokens`, no parameters) and the
-rotary tables of its K positions per token (:class:`~visionpe.multimodal.PPERotary` in the language model's
-rotary embedding). The Lightning module (:mod:`experiments.vlm.module`) feeds them.
+rotary tables of its K positions per token (:class:`~visionpe.multimodal.PPERotary`, which the adapter installs
+for ``num_representatives`` > 1). The Lightning module (:mod:`experiments.vlm.module`) feeds them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from visionpe.integrations.hf import apply_position_scheme
-from visionpe.multimodal import PPERotary
 from visionpe.multimodal.bipe import BIPE_MAX_INTRA
 
 from .schemes import get_bench_scheme
@@ -144,16 +143,6 @@ def build_tiny_vlm(scheme: str = "mrope", size: VLMSize | None = None, seed: int
             torch.manual_seed(seed + 1)
             model.bipe_intra = nn.Embedding(BIPE_MAX_INTRA, size.hidden_size)
             nn.init.normal_(model.bipe_intra.weight, std=config.text_config.initializer_range)
-    if entry.scheme == "ppe":
-        # The adapter's rotary reads 3 rows; PPE's ids have 3K. Its cos/sin come from PPERotary with the model's
-        # base and sections (the adapter keeps the model's own (t, h, w) sections for the chunked allocation).
-        wrapper = model.model.language_model.rotary_emb
-        wrapper.rotary = PPERotary(
-            head_dim,
-            base=float(size.rope_theta),
-            num_representatives=entry.options.get("num_representatives", 1),
-            mrope_section=_chunked_section(head_dim // 2),
-        )
     model.bench_scheme = entry
     model.bench_size = asdict(size)
     return model

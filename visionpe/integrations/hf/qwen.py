@@ -36,6 +36,7 @@ from torch import nn
 
 from ...multimodal.allocation import ALLOCATIONS
 from ...multimodal.ids import get_position_ids
+from ...multimodal.ppe_rotary import PPERotary
 from ...multimodal.registry import get_multimodal_scheme
 from ...multimodal.rotary import MultimodalRotary, apply_multimodal_rotary
 from .layers import LayerPlan, check_attention_implementation
@@ -52,6 +53,7 @@ SUPPORTED_MODELS = {
     "Qwen3VLModel": "transformers.models.qwen3_vl.modeling_qwen3_vl",
 }
 _ROTARY_OPTIONS = ("mrope_section",)
+_PER_BATCH_OPTIONS = ("clusters", "weights")  # PPE's: one batch's tokens, given per call to get_rope_index
 _ALLOCATION_DEFAULTS = {"interleaved": (24, 20, 20), "chunked": (16, 24, 24), "lta": (16, 24, 24), "hope": (16, 24, 24)}
 
 
@@ -131,6 +133,10 @@ class _HFRotary(nn.Module):
         self.originals = dict(originals or {})
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.rotary.mix.shape[1] if isinstance(self.rotary, PPERotary) else 3
+        if rows != 3 and position_ids.ndim == 3 and position_ids.shape[0] == rows + 1:
+            # generate puts a text row in front of the scheme's ids; transformers drops it only from 4 rows
+            position_ids = position_ids[1:]
         return self.rotary(position_ids.to(x.device), dtype=x.dtype)
 
 
@@ -238,7 +244,10 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
             ``mrope_section=`` for the allocation. Defaults come from the model: rope_theta, its
             mrope_section where the allocation can use it, ``vision_config.tokens_per_second`` and
             ``spatial_merge_size``. ``second_per_grid_ts`` is a per-call input of Qwen2.5-VL's ``forward`` and
-            ``generate``.
+            ``generate``. ``ppe`` with ``num_representatives=K`` > 1 installs
+            :class:`~visionpe.multimodal.PPERotary` (ids of 3K rows); its per-batch ``clusters`` and ``weights``
+            go to the patched ``model.get_rope_index(..., clusters=...)``, whose ids ``forward`` then takes as
+            ``position_ids``.
 
     Returns:
         The same model; ``model.visionpe_scheme`` records the scheme.
@@ -286,6 +295,12 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
         )
     if "second_per_grid_ts" in design_kwargs:
         raise ValueError("second_per_grid_ts is a per-call input: pass it to forward() / generate(), not here")
+    per_batch = [name for name in _PER_BATCH_OPTIONS if name in design_kwargs]
+    if per_batch:
+        raise ValueError(
+            f"{', '.join(per_batch)} describe one batch's tokens: pass them to the patched model's "
+            "model.get_rope_index(...) (then position_ids= to forward), not to apply_position_scheme"
+        )
     if entry.layer_of is not None and "layer" in design_kwargs:
         raise ValueError(
             f"{scheme}: layer is set per decoder layer by the adapter, got layer={design_kwargs['layer']!r}"
@@ -333,7 +348,12 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
         )
     if entry.allocation == "head":
         rotary_kwargs["num_kv_heads"] = text_config.num_key_value_heads
-    rotary = MultimodalRotary.from_scheme(
+    # PPE with K > 1 representatives: ids (3K, B, L), each M-RoPE section cut into K sub-bands
+    representatives = design_kwargs.get("num_representatives", 1) if scheme == "ppe" else 1
+    rotary_class = PPERotary if isinstance(representatives, int) and representatives > 1 else MultimodalRotary
+    if rotary_class is PPERotary:
+        rotary_kwargs["num_representatives"] = representatives
+    rotary = rotary_class.from_scheme(
         scheme,
         head_dim,
         base=float(rope.get("rope_theta", 10000.0)),
@@ -367,15 +387,20 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
         video_grid_thw: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         second_per_grid_ts: torch.Tensor | None = None,
+        clusters: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
         **_: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if mm_token_type_ids is None:
             raise ValueError(f"visionpe scheme {scheme!r} needs mm_token_type_ids (0 text, 1 image, 2 video)")
+        given = {name: value for name, value in (("clusters", clusters), ("weights", weights)) if value is not None}
+        if given and scheme != "ppe":
+            raise ValueError(f"{', '.join(given)} are PPE's per-batch inputs; the model runs {scheme!r}")
         if splits_videos and video_grid_thw is not None:
             # Qwen3-VL frames are separate T = 1 blocks with timestamp text between them.
             video_grid_thw = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0)
             video_grid_thw[:, 0] = 1
-        options = dict(design_kwargs)
+        options = dict(design_kwargs) | given
         if takes_time and second_per_grid_ts is not None:
             options["second_per_grid_ts"] = second_per_grid_ts
         return get_position_ids(
