@@ -15,8 +15,9 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import visionpe
+from visionpe.rotary.functional import apply_rotary
 from visionpe.rotary.fused import fused_rotate_qkv, rotate_qkv_tables, rotation_tables
-from visionpe.rotary.state import ChainedRotation, IdentityRotation
+from visionpe.rotary.state import ChainedRotation, IdentityRotation, LayerRotation
 
 SCHEMES = ["rope_axial", "rope_mixed", "string_cayley", "string_circulant"]
 # bf16: the eager path rounds the cast tables, both products and their sum, the fused one the result only
@@ -107,6 +108,31 @@ def test_q_k_and_v_come_from_one_kernel():
     calls = re.findall(r"^\s+(cpp_fused_\w+)\(", "\n".join(codes), flags=re.MULTILINE)
     assert len(calls) == 1, calls
     _assert_close(out, rotation.rotate_qkv(qkv.clone(), BATCH, HEADS), TOL[torch.float32])
+
+
+class _OwnTables(LayerRotation):
+    """A rotation written outside the library (not a TableRotation) that opts into the fused kernel."""
+
+    def __init__(self, cos, sin):
+        self.cos, self.sin, self.num_tokens = cos, sin, cos.shape[-2]
+
+    def rotate(self, qk):
+        return apply_rotary(qk, self.cos, self.sin)
+
+    def fused_tables(self, keep=None):
+        return (self.cos, self.sin) if keep is None else None
+
+
+def test_a_custom_rotation_opts_in_by_returning_its_tables():
+    table = _rotation(_scheme("rope_mixed"))
+    rotation = _OwnTables(table.cos, table.sin)
+    qkv = torch.randn(BATCH * TOKENS, 3 * HEADS * HEAD_DIM)
+    with torch.no_grad():
+        out, codes = run_and_get_code(fused_rotate_qkv, rotation, qkv, HEADS)
+    assert len(re.findall(r"^\s+(cpp_fused_\w+)\(", "\n".join(codes), flags=re.MULTILINE)) == 1
+    _assert_close(out, rotation.rotate_qkv(qkv.clone(), BATCH, HEADS), TOL[torch.float32])
+    keep = torch.arange(3).expand(BATCH, -1)
+    assert fused_rotate_qkv(rotation, qkv[: BATCH * 3].contiguous(), HEADS, keep) is None  # None: the eager path
 
 
 def test_rotations_without_tables_fall_back():

@@ -53,6 +53,9 @@ class TableRotation(LayerRotation):
             )
         return apply_rotary(qk, cos, sin)
 
+    def fused_tables(self, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.cos, self.sin) if keep is None else self.kept_tables(keep)
+
     def kept_tables(self, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin (B, num_heads | 1, K, head_dim) at the tokens ``keep`` (B, K) of each sample (int64 indices into
         the T tokens of the tables)."""

@@ -22,9 +22,7 @@ import functools
 import torch
 
 from ..checks import check_instance, check_int
-from .base import TableRotation
 from .state import LayerRotation
-from .string_base import ValueBasisRotation
 
 __all__ = ["ROTARY_BACKENDS", "rotate_qkv_tables", "rotation_tables", "fused_rotate_qkv"]
 
@@ -34,21 +32,17 @@ ROTARY_BACKENDS = ("eager", "fused")
 def rotation_tables(
     rotation: LayerRotation, keep: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The cos/sin tables a block's rotation of q and k applies, or None when it is no rotation by tables.
+    """The cos/sin tables a block's rotation of q and k applies (its
+    :meth:`~visionpe.rotary.state.LayerRotation.fused_tables`), or None when it is no rotation by tables.
 
     Rotations by :func:`~visionpe.rotary.functional.rotary_tables` tables (RoPE-Axial, RoPE-Mixed, STRING once its
-    basis P is folded into the projection, and the other schemes built on
-    :class:`~visionpe.rotary.base.LinearRotary`) give (num_heads | 1, T, head_dim), or (B, num_heads | 1, T | K,
-    head_dim) for per-sample positions or the rows of patch dropout's kept tokens ``keep`` (B, K). Other
+    basis P is folded into the projection, the other schemes built on :class:`~visionpe.rotary.base.LinearRotary`,
+    and any custom rotation that returns its tables) give (num_heads | 1, T, head_dim), or (B, num_heads | 1,
+    T | K, head_dim) for per-sample positions or the rows of patch dropout's kept tokens ``keep`` (B, K). Other
     rotations (Lie-group and ComRoPE block rotations, several schemes chained, a basis still to apply) give None.
     """
     check_instance(rotation, "rotation", LayerRotation, expected="a LayerRotation")
-    if isinstance(rotation, ValueBasisRotation):
-        # STRING with rotary value embeddings once P is folded: q and k get the inner tables only
-        rotation = rotation.inner
-    if not isinstance(rotation, TableRotation):
-        return None
-    return (rotation.cos, rotation.sin) if keep is None else rotation.kept_tables(keep)
+    return rotation.fused_tables(keep)
 
 
 def rotate_qkv_tables(

@@ -77,6 +77,15 @@ class LayerRotation(ABC):
         rotated values, R(p_i)^T o_i by each query's position."""
         return o
 
+    def fused_tables(self, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos/sin tables in :func:`~visionpe.rotary.functional.rotary_tables`' layout that rotate q and k exactly as
+        :meth:`rotate_tokens` does (``keep``: patch dropout's kept tokens), or None (the default) when this rotation
+        is not a rotation by such tables. A rotation that returns them runs on the fused kernel of blocks switched to
+        ``rotary_backend="fused"`` (:func:`~visionpe.set_rotary_backend`); the others keep :meth:`rotate_qkv`.
+
+        Shapes: (num_heads | 1, T, head_dim) shared by the batch, or (B, num_heads | 1, T | K, head_dim)."""
+        return None
+
     def rotate_tokens(self, qk: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`rotate`, or :meth:`rotate_kept` when patch dropout kept ``keep``."""
         return self.rotate(qk) if keep is None else self.rotate_kept(qk, keep)

@@ -96,6 +96,9 @@ class ValueBasisRotation(BasisRotation):
     def rotate_kept(self, qk: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         return self.inner.rotate_kept(qk, keep)
 
+    def fused_tables(self, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.inner.fused_tables(keep)  # q and k get the inner tables only
+
     def rotate_qkv(
         self, qkv: torch.Tensor, batch: int, num_heads: int, keep: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
