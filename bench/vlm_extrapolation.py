@@ -40,6 +40,7 @@ from bench.results import header  # noqa: E402
 from experiments.vlm.benchmark import (  # noqa: E402
     SETTINGS,
     BenchSetting,
+    load_trainer_config,
     report_markdown,
     run_benchmark,
     skipped_schemes,
@@ -172,6 +173,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, one process each (2 on 2 cores)")
     parser.add_argument("--threads", type=int, help="torch threads per run (default: cores / jobs)")
     parser.add_argument("--reuse", action="store_true", help="load runs saved under --out instead of training again")
+    parser.add_argument(
+        "--trainer-config",
+        help="YAML file whose 'trainer' section replaces accelerator='cpu', devices=1 (e.g. configs/fsdp/vlm.yaml)",
+    )
     parser.add_argument("--results", help="also write <results>/vlm.md and vlm.csv, headed by the run's settings")
     parser.add_argument(
         "--update",
@@ -192,6 +197,12 @@ def main(argv: list[str] | None = None) -> dict:
             kept = check_previous_rows(previous, SETTINGS[args.setting], args.seeds, args.schemes, tasks)
         except ValueError as err:
             parser.exit(2, f"--update refused, nothing was changed: {err}\n")
+    trainer_args = None
+    if args.trainer_config is not None:
+        try:
+            trainer_args = load_trainer_config(args.trainer_config)
+        except (OSError, TypeError, ValueError) as err:
+            parser.error(f"--trainer-config: {err}")
     reports = run_benchmark(
         args.setting,
         schemes=args.schemes,
@@ -201,6 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
         jobs=args.jobs,
         threads=args.threads,
         reuse=args.reuse,
+        trainer_args=trainer_args,
     )
     if args.results is not None:
         command = sys.argv if argv is None else [__file__, *argv]

@@ -26,12 +26,12 @@ from experiments.vlm import (  # noqa: E402
     train_and_evaluate,
     write_task_report,
 )
-from experiments.vlm.benchmark import CHANCE, markdown_table  # noqa: E402
+from experiments.vlm.benchmark import CHANCE, check_trainer_args, load_trainer_config, markdown_table  # noqa: E402
 from experiments.vlm.model import merge_visual_tokens  # noqa: E402
 from visionpe.absolute.sincos import sincos_2d  # noqa: E402
 from visionpe.multimodal import PPERotary, cca_attention_mask, get_position_ids, pype_attention_mask  # noqa: E402
 
-from ..scripts import load_script  # noqa: E402
+from ..scripts import ROOT, load_script  # noqa: E402
 
 
 def _script():
@@ -196,6 +196,37 @@ def test_train_and_evaluate_rows(tmp_path):
         train_and_evaluate("grid", "nope", 0, setting)
     with pytest.raises(ValueError, match=r"setting must be one of \['quick', 'small'\] or a BenchSetting, got 'big'"):
         train_and_evaluate("grid", "mrope", 0, "big")
+
+
+def test_trainer_arguments_from_a_config_replace_the_cpu_default(tmp_path, monkeypatch):
+    """configs/fsdp/vlm.yaml is accepted (its strategy built per run); other Trainer arguments reach the Trainer."""
+    from visionpe.training.fsdp import BlockFSDPStrategy
+
+    section = load_trainer_config(ROOT / "configs/fsdp/vlm.yaml")
+    assert section["accelerator"] == "gpu" and isinstance(section["strategy"], dict)  # as written
+    built = [check_trainer_args(section)["strategy"] for _ in range(2)]
+    assert all(isinstance(s, BlockFSDPStrategy) for s in built) and built[0] is not built[1]
+    seen = []
+    original = benchmark.L.Trainer
+
+    def trainer(**kwargs):
+        seen.append(kwargs)
+        return original(**kwargs)
+
+    monkeypatch.setattr(benchmark.L, "Trainer", trainer)
+    setting = replace(SETTINGS["quick"], steps={"grid": 2, "multi_image": 2, "video": 2}, eval_samples=4)
+    rows = train_and_evaluate("grid", "mrope", 0, setting, trainer_args={"precision": "bf16-mixed", "devices": 1})
+    assert seen[0]["precision"] == "bf16-mixed" and seen[0]["accelerator"] == "cpu" and seen[0]["max_steps"] == 2
+    assert all(0 <= r["acc"] <= 100 for r in rows)
+    with pytest.raises(ValueError, match="trainer_args cannot set 'max_steps': the benchmark's protocol sets it"):
+        check_trainer_args({"max_steps": 10})
+    with pytest.raises(ValueError, match="trainer_args has 'gpus', which is no lightning.Trainer argument"):
+        run_benchmark("quick", out_dir=tmp_path, trainer_args={"gpus": 1})
+    with pytest.raises(TypeError, match="trainer_args strategy 'visionpe.training.fsdp.Nope' does not instantiate"):
+        check_trainer_args({"strategy": {"class_path": "visionpe.training.fsdp.Nope"}})
+    (tmp_path / "bad.yaml").write_text("model: {}\n")
+    with pytest.raises(ValueError, match="must hold a 'trainer' mapping"):
+        load_trainer_config(tmp_path / "bad.yaml")
 
 
 def test_report_with_seeds(tmp_path):

@@ -32,18 +32,20 @@ std), plus ``runs.csv`` (time per run) and ``summary.md`` (all tables).
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import logging
 import os
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -63,6 +65,8 @@ __all__ = [
     "get_setting",
     "train_and_evaluate",
     "run_benchmark",
+    "check_trainer_args",
+    "load_trainer_config",
     "write_task_report",
     "report_markdown",
     "markdown_table",
@@ -147,6 +151,7 @@ def train_and_evaluate(
     seed: int,
     setting: str | BenchSetting = "small",
     log_dir: str | Path | None = None,
+    trainer_args: Mapping[str, Any] | None = None,
 ) -> list[dict]:
     """Train one model with Lightning and evaluate it at every length of the setting.
 
@@ -156,6 +161,9 @@ def train_and_evaluate(
         seed: seed of the data, the initialisation and the scheme's option draws.
         setting: a name from :data:`SETTINGS` or a :class:`BenchSetting`.
         log_dir: when given, Lightning's CSV log of the training loss and accuracy goes there.
+        trainer_args: ``lightning.Trainer`` arguments in place of the default ``accelerator="cpu", devices=1``
+            (``accelerator``, ``devices``, ``precision``, ``strategy``...; see :func:`check_trainer_args`), e.g.
+            the ``trainer`` section of ``configs/fsdp/vlm.yaml`` (:func:`load_trainer_config`).
 
     Returns:
         One row per evaluation length: ``task, scheme, seed, length, acc`` (accuracy in %), ``n`` (questions),
@@ -175,12 +183,79 @@ def train_and_evaluate(
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
     if task not in setting.steps:
         raise ValueError(f"setting {setting.name!r} has no steps for task {task!r}: steps = {setting.steps}")
+    trainer_args = check_trainer_args(trainer_args)
     with _quiet_lightning():
-        return _train_and_evaluate(task, scheme, seed, setting, log_dir)
+        return _train_and_evaluate(task, scheme, seed, setting, log_dir, trainer_args)
+
+
+_TRAINER_ARGS = frozenset(inspect.signature(L.Trainer).parameters)
+# Trainer arguments the benchmark sets itself: its protocol (steps, clipping, no validation) and its outputs.
+_OWN_TRAINER_ARGS = (
+    "max_steps",
+    "logger",
+    "log_every_n_steps",
+    "enable_checkpointing",
+    "enable_progress_bar",
+    "enable_model_summary",
+    "gradient_clip_val",
+    "limit_val_batches",
+    "num_sanity_val_steps",
+)
+
+
+def check_trainer_args(trainer_args: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``trainer_args`` as a dict, its ``strategy`` instantiated when it is a ``{"class_path", "init_args"}`` mapping
+    (as a LightningCLI config writes it), after checking every key is a ``lightning.Trainer`` argument that the
+    benchmark does not set itself (its protocol: ``max_steps``, ``gradient_clip_val``, no validation; its logs).
+
+    Raises:
+        TypeError: ``trainer_args`` is not a mapping (or None), or ``strategy`` is a mapping whose class does not
+            instantiate from its ``init_args``.
+        ValueError: a key is no Trainer argument, or one the benchmark owns, or ``strategy`` lacks ``class_path``.
+    """
+    if trainer_args is None:
+        return {}
+    if not isinstance(trainer_args, Mapping):
+        raise TypeError(
+            f"trainer_args must be a mapping of lightning.Trainer arguments or None, got {type(trainer_args).__name__}"
+        )
+    for key in trainer_args:
+        if key in _OWN_TRAINER_ARGS:
+            raise ValueError(f"trainer_args cannot set {key!r}: the benchmark's protocol sets it (to compare runs)")
+        if key not in _TRAINER_ARGS:
+            raise ValueError(f"trainer_args has {key!r}, which is no lightning.Trainer argument")
+    args = dict(trainer_args)
+    strategy = args.get("strategy")
+    if isinstance(strategy, Mapping):
+        if "class_path" not in strategy:
+            raise ValueError(
+                f"trainer_args strategy must be a name, a Strategy or a class_path mapping, got {strategy}"
+            )
+        from lightning.pytorch.cli import instantiate_class
+
+        try:
+            args["strategy"] = instantiate_class((), dict(strategy))
+        except (ImportError, AttributeError, TypeError) as err:
+            raise TypeError(f"trainer_args strategy {strategy['class_path']!r} does not instantiate: {err}") from err
+    return args
+
+
+def load_trainer_config(path: str | Path) -> dict[str, Any]:
+    """The ``trainer`` section of a YAML file (a LightningCLI config such as ``configs/fsdp/vlm.yaml``) as written
+    (a ``strategy`` mapping stays one: each run builds its own), after :func:`check_trainer_args` accepted it.
+    ValueError when the file has no ``trainer`` mapping."""
+    import yaml
+
+    config = yaml.safe_load(Path(path).read_text())
+    section = config.get("trainer") if isinstance(config, dict) else None
+    if not isinstance(section, dict):
+        raise ValueError(f"{path} must hold a 'trainer' mapping of lightning.Trainer arguments, got {section!r}")
+    check_trainer_args(section)
+    return section
 
 
 def _train_and_evaluate(
-    task: str, scheme: str, seed: int, setting: BenchSetting, log_dir: str | Path | None
+    task: str, scheme: str, seed: int, setting: BenchSetting, log_dir: str | Path | None, trainer_args: dict
 ) -> list[dict]:
     steps = setting.steps[task]
     L.seed_everything(seed, verbose=False)
@@ -209,9 +284,8 @@ def _train_and_evaluate(
 
         logger = CSVLogger(Path(log_dir), name=f"{task}_{scheme}", version=f"seed{seed}")
     trainer = L.Trainer(
+        **({"accelerator": "cpu", "devices": 1} | trainer_args),
         max_steps=steps,
-        accelerator="cpu",
-        devices=1,
         logger=logger,
         log_every_n_steps=max(1, min(50, steps // 10)),
         enable_checkpointing=False,
@@ -403,6 +477,7 @@ def run_benchmark(
     threads: int | None = None,
     log: Callable[[str], None] | None = print,
     reuse: bool = False,
+    trainer_args: Mapping[str, Any] | None = None,
 ) -> dict[str, dict[str, Path]]:
     """Train and evaluate every (task, scheme, seed), then write the per-task reports.
 
@@ -419,6 +494,8 @@ def run_benchmark(
         reuse: every finished run is saved as ``<out_dir>/results/<task>_<scheme>_seed<seed>.json``; with
             ``reuse``, runs saved there by an earlier call (same setting) are loaded instead of trained again,
             so an interrupted benchmark continues where it stopped.
+        trainer_args: ``lightning.Trainer`` arguments for every run (:func:`train_and_evaluate`), e.g. from
+            :func:`load_trainer_config`; a ``strategy`` mapping is instantiated in each run.
 
     Returns:
         {task: {"md": path, "csv": path, "png": path}} of every task with a run; ``out_dir`` also gets ``runs.csv``
@@ -440,6 +517,7 @@ def run_benchmark(
     threads = max(1, (os.cpu_count() or 1) // jobs) if threads is None else threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads must be a positive int, got {threads!r}")
+    check_trainer_args(trainer_args)  # before anything trains; each run builds its own strategy from a mapping
     log = log or (lambda line: None)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -492,7 +570,7 @@ def run_benchmark(
         torch.set_num_threads(threads)
         try:
             for i, run in enumerate(todo, 1):
-                result = train_and_evaluate(*run, setting=setting, log_dir=out_dir / "logs")
+                result = train_and_evaluate(*run, setting=setting, log_dir=out_dir / "logs", trainer_args=trainer_args)
                 rows += result
                 report(i, result)
         finally:
@@ -500,7 +578,12 @@ def run_benchmark(
     else:
         context = get_context("spawn")
         with ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_init, initargs=(threads,)) as pool:
-            futures = [pool.submit(train_and_evaluate, *run, setting=setting, log_dir=out_dir / "logs") for run in todo]
+            futures = [
+                pool.submit(
+                    train_and_evaluate, *run, setting=setting, log_dir=out_dir / "logs", trainer_args=trainer_args
+                )
+                for run in todo
+            ]
             for i, future in enumerate(as_completed(futures), 1):
                 result = future.result()
                 rows += result
