@@ -14,6 +14,8 @@
 #           minutes per model; the whole sweep: python train/scenes.py --config configs/scenes/scenes_gpu.yaml
 #   fsdp    the FSDP tests (tests/training/test_fsdp.py) with the GPU ones: bf16 blocks on one or two GPUs; about
 #           3 minutes
+#   compile whole-model torch.compile with CUDA graphs (mode reduce-overhead) and max-autotune, bf16 training
+#           steps against eager, for the schemes of the speed targets (bench/compile_modes.py); about 8 minutes
 # Usage: bash bench/gpu_smoke.sh [--part steps] [--part smoke ...] [--out DIR] [--dry-run] [options of gpu_smoke.py]
 #   --part P    run part P (repeatable; default: steps and smoke, about 12 minutes, as two calls on a lent machine)
 #   --out DIR   folder of the result files (bench/results.py: gpu_checks, throughput, data_pipeline, scenes_gpu
@@ -43,8 +45,8 @@ done
 [ ${#parts[@]} -gt 0 ] || parts=(steps smoke)
 for part in "${parts[@]}"; do
     case "$part" in
-        steps|smoke|data|scenes|fsdp) ;;
-        *) echo "--part must be one of steps smoke data scenes fsdp, got '$part'" >&2; exit 2 ;;
+        steps|smoke|data|scenes|fsdp|compile) ;;
+        *) echo "--part must be one of steps smoke data scenes fsdp compile, got '$part'" >&2; exit 2 ;;
     esac
 done
 if [ -n "${PYTHON:-}" ]; then
@@ -127,6 +129,15 @@ print('batched augmentation without synchronisation:', tuple(y.shape))"
         ;;
     fsdp)
         run_part fsdp 300 "$PYTHON" -m pytest -q -p no:cacheprovider tests/training/test_fsdp.py
+        ;;
+    compile)
+        if [ "$dry" = 1 ]; then
+            modes=(--device cpu --modes default --schemes rope_axial alibi2d --size 32 --depth 1 --batch 2 --steps 1)
+        else
+            modes=(--modes reduce-overhead max-autotune
+                   --schemes rope_axial rope_mixed string_cayley alibi2d lookhere irpe liere comrope_ap)
+        fi
+        run_part compile_modes 560 "$PYTHON" bench/compile_modes.py "${modes[@]}" --out "$out"
         ;;
     esac
 done
