@@ -23,7 +23,8 @@ size, one panel per task and kind, a colour per model and a line style per mode,
 per run ``<task>/<model>/seed<k>/`` with ``final.ckpt``, its logs and ``eval.csv``. ``--reuse`` continues an
 interrupted run: finished trainings and evaluations are loaded, the rest is done. ``--results DIR`` also writes
 ``DIR/<name>.md``, ``.csv`` and ``.png`` (name: ``--results-name``, default ``scenes``), headed by the date, commit,
-versions, device and command (``bench/results.py``). Importable: ``from scenes import main``.
+versions, device and command (``bench/results.py``). ``--jobs N`` trains N runs at once, one process each (``--jobs 2``
+on 2 cores). Importable: ``from scenes import main``.
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ import argparse
 import contextlib
 import csv
 import math
+import multiprocessing
+import os
 import shutil
 import statistics
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -54,11 +58,14 @@ from experiments.sweep import (
     _scalable,
     _trained_line,
     accepts_extrapolation,
+    call_by_name,
     check_config,
     quiet_lightning,
     reference_args,
+    set_worker_threads,
     train_from_config,
 )
+from visionpe.checks import check_int
 from visionpe.rotary.scaling import EXTRAPOLATION_MODES, set_extrapolation
 from visionpe.training.evaluate import accuracy
 
@@ -145,6 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results", default=None, help="also write <results>/<name>.md, .csv and .png")
     parser.add_argument("--results-name", default="scenes", help="file name for --results")
     parser.add_argument("--verbose", action="store_true", help="keep Lightning's messages and model summaries")
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, one process each (2 on 2 cores)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: cores / jobs)")
     return parser.parse_args(argv)
 
 
@@ -449,6 +458,56 @@ def write_results_table(paths, rows, config, out_dir, name, command, img_size) -
     return md, csv_path, png
 
 
+def _train_and_evaluate_one(
+    config: str | Path,
+    task: str,
+    seed: int,
+    label: str,
+    run_args: list[str],
+    settings: dict,
+    kinds: Sequence[str],
+    sizes: Sequence[int],
+    common: list[str],
+    reuse: bool,
+    verbose: bool,
+) -> tuple[str, list[dict]]:
+    """Train (or load) one (task, model, seed) and evaluate it: (its progress line, its evaluation rows)."""
+    with contextlib.nullcontext() if verbose else quiet_lightning():
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        run_dir = settings["out"] / task / label.replace(" ", "_") / f"seed{seed}"
+        seed_args = [f"--seed_everything={seed}", f"--model.seed={seed}", f"--data.init_args.seed={seed}"]
+        reused = run_dir / FINAL_CHECKPOINT if reuse and (run_dir / FINAL_CHECKPOINT).is_file() else None
+        started = time.perf_counter()
+        run_cmd = [*run_args, f"--data.init_args.task={task}", *seed_args, *common]
+        model, datamodule = train_from_config(config, run_cmd, run_dir, reuse, not verbose)
+        line = _trained_line(model, datamodule, started, reused)
+        evaluated = run_dir / "eval.csv"
+        wanted = {
+            (k, s, m)
+            for k in kinds
+            for s in sizes
+            for m in settings["extrapolation"]
+            if accepts_extrapolation(model.model, m)
+        }
+        previous = _read_rows(evaluated) if reuse and evaluated.is_file() else []
+        if (
+            previous
+            and {(r["kind"], r["size"], r["mode"]) for r in previous} >= wanted
+            and all(r["n"] == datamodule.eval_samples for r in previous)
+        ):
+            found = [r for r in previous if (r["kind"], r["size"], r["mode"]) in wanted]
+            line += ", evaluation loaded"
+        else:
+            started = time.perf_counter()
+            found = evaluate(model, datamodule, task, label, seed, kinds, sizes, settings["extrapolation"], device)
+            _write_rows(evaluated, found)
+            line += f", evaluated in {_format_seconds(time.perf_counter() - started)}"
+        for row in found:
+            row["model"] = label
+        at_1x = [r["acc"] for r in found if r["size"] == datamodule.img_size and r["mode"] == "none"]
+        return f"{line}; test at 1x {at_1x[0]:.1f} %", found
+
+
 def run(
     config: str | Path,
     settings: dict,
@@ -456,72 +515,64 @@ def run(
     kinds: Sequence[str] = KINDS,
     reuse: bool = False,
     verbose: bool = False,
+    jobs: int = 1,
+    threads: int | None = None,
 ) -> tuple[dict[str, Path], list[dict], int]:
-    """Train and evaluate every (task, model, seed); write the report under ``settings["out"]``."""
+    """Train and evaluate every (task, model, seed); write the report under ``settings["out"]``.
+
+    ``jobs`` > 1 trains that many runs at once, each in a process of its own with ``threads`` torch threads
+    (default: the cores divided by ``jobs``); the rows and the report are the same as with ``jobs=1``, in the same
+    order, since every run is a function of its task, model and seed.
+    """
+    check_int(jobs, "jobs", min=1)
+    threads = max(1, (os.cpu_count() or 1) // jobs) if threads is None else threads
+    check_int(threads, "threads", min=1)
     with contextlib.nullcontext() if verbose else quiet_lightning():
         checked = check_arguments(config, settings, tasks, kinds)
-        runs, sizes, out = checked["runs"], checked["sizes"], settings["out"]
-        common = list(settings["overrides"])
-        if not verbose:
-            common = ["--trainer.enable_model_summary=false", *common]
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        total, done, rows = len(tasks) * len(runs) * len(settings["seeds"]), 0, []
-        print(
-            f"Training {len(runs)} model(s) x {len(tasks)} task(s) x {len(settings['seeds'])} seed(s) from {config}, "
-            f"then evaluating at {' '.join(map(str, sizes))} px ({' and '.join(kinds)}; extrapolation: "
-            f"{' '.join(settings['extrapolation'])}); output in {out}",
-            flush=True,
-        )
-        for task in tasks:
-            for seed in settings["seeds"]:
-                for label, run_args in runs:
-                    run_dir = out / task / label.replace(" ", "_") / f"seed{seed}"
-                    seed_args = [f"--seed_everything={seed}", f"--model.seed={seed}", f"--data.init_args.seed={seed}"]
-                    reused = run_dir / FINAL_CHECKPOINT if reuse and (run_dir / FINAL_CHECKPOINT).is_file() else None
-                    started = time.perf_counter()
-                    run_cmd = [*run_args, f"--data.init_args.task={task}", *seed_args, *common]
-                    model, datamodule = train_from_config(config, run_cmd, run_dir, reuse, not verbose)
-                    done += 1
-                    line = _trained_line(model, datamodule, started, reused)
-                    evaluated = run_dir / "eval.csv"
-                    wanted = {
-                        (k, s, m)
-                        for k in kinds
-                        for s in sizes
-                        for m in settings["extrapolation"]
-                        if accepts_extrapolation(model.model, m)
-                    }
-                    previous = _read_rows(evaluated) if reuse and evaluated.is_file() else []
-                    if (
-                        previous
-                        and {(r["kind"], r["size"], r["mode"]) for r in previous} >= wanted
-                        and all(r["n"] == datamodule.eval_samples for r in previous)
-                    ):
-                        found = [r for r in previous if (r["kind"], r["size"], r["mode"]) in wanted]
-                        line += ", evaluation loaded"
-                    else:
-                        started = time.perf_counter()
-                        found = evaluate(
-                            model, datamodule, task, label, seed, kinds, sizes, settings["extrapolation"], device
-                        )
-                        _write_rows(evaluated, found)
-                        line += f", evaluated in {_format_seconds(time.perf_counter() - started)}"
-                    for row in found:
-                        row["model"] = label
-                    rows += found
-                    at_1x = [r["acc"] for r in found if r["size"] == datamodule.img_size and r["mode"] == "none"]
-                    print(
-                        f"[{done}/{total}] {task}, {label}, seed {seed}: {line}; test at 1x {at_1x[0]:.1f} %",
-                        flush=True,
-                    )
-        title = "Scenes benchmark: extrapolation where position matters"
-        return write_report(rows, out, title, checked["img_size"]), rows, checked["img_size"]
+    runs, sizes, out = checked["runs"], checked["sizes"], settings["out"]
+    common = list(settings["overrides"])
+    if not verbose:
+        common = ["--trainer.enable_model_summary=false", *common]
+    todo = [(task, seed, label, run_args) for task in tasks for seed in settings["seeds"] for label, run_args in runs]
+    print(
+        f"Training {len(runs)} model(s) x {len(tasks)} task(s) x {len(settings['seeds'])} seed(s) from {config}, "
+        f"then evaluating at {' '.join(map(str, sizes))} px ({' and '.join(kinds)}; extrapolation: "
+        f"{' '.join(settings['extrapolation'])}); output in {out}"
+        + (f"; {jobs} jobs x {threads} thread(s)" if jobs > 1 else ""),
+        flush=True,
+    )
+    shared = (settings, kinds, sizes, common, reuse, verbose)
+    found: dict[int, list[dict]] = {}
+
+    def report(index: int, line: str, rows: list[dict]) -> None:
+        found[index] = rows
+        task, seed, label, _ = todo[index]
+        print(f"[{len(found)}/{len(todo)}] {task}, {label}, seed {seed}: {line}", flush=True)
+
+    if jobs == 1:
+        for index, (task, seed, label, run_args) in enumerate(todo):
+            report(index, *_train_and_evaluate_one(config, task, seed, label, run_args, *shared))
+    else:
+        context = multiprocessing.get_context("spawn")
+        one = (_train_and_evaluate_one.__module__, _train_and_evaluate_one.__name__)
+        with ProcessPoolExecutor(jobs, mp_context=context, initializer=set_worker_threads, initargs=(threads,)) as pool:
+            futures = {
+                pool.submit(call_by_name, *one, config, task, seed, label, run_args, *shared): index
+                for index, (task, seed, label, run_args) in enumerate(todo)
+            }
+            for future in as_completed(futures):
+                report(futures[future], *future.result())
+    rows = [row for index in range(len(todo)) for row in found[index]]
+    title = "Scenes benchmark: extrapolation where position matters"
+    return write_report(rows, out, title, checked["img_size"]), rows, checked["img_size"]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Path]:
     args = parse_args(argv)
     settings = _settings(args)
-    paths, rows, img_size = run(args.config, settings, args.tasks, args.kinds, args.reuse, args.verbose)
+    paths, rows, img_size = run(
+        args.config, settings, args.tasks, args.kinds, args.reuse, args.verbose, args.jobs, args.threads
+    )
     print("\n" + paths["md"].read_text())
     where = [("table", paths["md"]), ("per-seed rows (CSV)", paths["csv"]), ("plot", paths["png"])]
     where.append(("checkpoints and logs", settings["out"] / "<task>" / "<model>" / "seed<k>"))

@@ -271,3 +271,13 @@ def test_quick_mode_end_to_end(tmp_path, monkeypatch):
     first = again["results_md"].read_text().splitlines()[0]
     assert first.startswith("Measured ") and "command: `python train/scenes.py --config" in first
     assert again["results_png"].name == "scenes.png" and again["results_csv"].name == "scenes.csv"
+
+
+def test_jobs_train_in_processes_of_their_own_with_the_same_rows(tmp_path):
+    script = load_script("train/scenes.py")
+    base = ["--config", CONFIG, "--quick", "--tasks", "region", "relative", "--kinds", "zoom", "--threads", "1"]
+    one = script.main([*base, "--out", str(tmp_path / "one")])
+    two = script.main([*base, "--jobs", "2", "--out", str(tmp_path / "two")])
+    assert list(csv.DictReader(two["csv"].open())) == list(csv.DictReader(one["csv"].open()))
+    with pytest.raises(ValueError, match="jobs must be"):
+        script.main([*base, "--jobs", "0", "--out", str(tmp_path / "none")])

@@ -85,6 +85,20 @@ def check_config(config: str | Path) -> Path:
     return Path(config)
 
 
+def set_worker_threads(threads: int) -> None:
+    """Initializer of a pool of training processes: ``threads`` torch threads in each."""
+    torch.set_num_threads(threads)
+
+
+def call_by_name(module: str, name: str, *args, **kwargs):
+    """``module.name(*args, **kwargs)``, the module imported by name: how a pool worker runs a function of a script.
+
+    A script's functions cannot be sent to a spawned process by reference when the script runs as ``__main__`` or
+    was loaded from its path under another name; their module's name and their own can (``__main__`` in the worker
+    is the script again)."""
+    return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+
 def train_from_config(
     config: str | Path, overrides: Sequence[str], out_dir: str | Path, reuse: bool = False, compact: bool = False
 ):

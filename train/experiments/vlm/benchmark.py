@@ -52,6 +52,7 @@ import torch
 
 from visionpe.training.evaluate import summarize
 
+from ..sweep import set_worker_threads
 from .data import VLMTaskDataModule
 from .model import VLMSize
 from .module import VLMModule
@@ -320,10 +321,6 @@ def _train_and_evaluate(
     ]
 
 
-def _worker_init(threads: int) -> None:
-    torch.set_num_threads(threads)
-
-
 def _length_label(task: str, length: int) -> str:
     return {"grid": f"{length}x{length}", "multi_image": f"K={length}", "video": f"{length} fr"}[task]
 
@@ -577,7 +574,7 @@ def run_benchmark(
             torch.set_num_threads(previous)
     else:
         context = get_context("spawn")
-        with ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_init, initargs=(threads,)) as pool:
+        with ProcessPoolExecutor(jobs, mp_context=context, initializer=set_worker_threads, initargs=(threads,)) as pool:
             futures = [
                 pool.submit(
                     train_and_evaluate, *run, setting=setting, log_dir=out_dir / "logs", trainer_args=trainer_args
