@@ -10,7 +10,7 @@ from visionpe.integrations.hf import apply_position_scheme, remove_position_sche
 from visionpe.multimodal import PPERotary, get_position_ids  # noqa: E402
 
 from . import test_hf as hf  # noqa: E402
-from .test_hf_scaling import ROPES, scaled_model  # noqa: E402
+from .test_hf_scaling import ROPES, _init_rotaries_as_transformers, scaled_model  # noqa: E402
 
 SECTION = (4, 2, 2)  # K = 2 divides every section: sub-band k of axis a reads representative k of a
 
@@ -104,3 +104,20 @@ def test_ppe_per_batch_inputs_are_refused_where_they_do_not_belong():
         patched.model.get_rope_index(
             inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"], clusters=_clusters(inputs)
         )
+
+
+def test_ppe_applied_on_the_meta_device_then_loaded_equals_one_applied_on_cpu():
+    model = hf.tiny_model("qwen2_vl")
+    ref = apply_position_scheme(copy.deepcopy(model), "ppe", num_representatives=2, mrope_section=SECTION)
+    with torch.device("meta"):
+        empty = type(model)(model.config)
+    apply_position_scheme(empty, "ppe", num_representatives=2, mrope_section=SECTION)
+    rotary = empty.model.language_model.rotary_emb.rotary
+    assert rotary.inv_freq.is_meta and rotary.mix.is_meta
+    empty.to_empty(device="cpu")
+    empty.load_state_dict(model.state_dict())
+    ref_rotary = ref.model.language_model.rotary_emb.rotary
+    assert torch.equal(rotary.inv_freq, ref_rotary.inv_freq) and torch.equal(rotary.mix, ref_rotary.mix)
+    _init_rotaries_as_transformers(empty)
+    inputs = hf.batch(hf.IMAGES)
+    assert torch.equal(hf._logits(empty.eval(), inputs), hf._logits(ref, inputs))
