@@ -67,7 +67,7 @@ from experiments.sweep import (
 )
 from visionpe.checks import check_int
 from visionpe.rotary.scaling import EXTRAPOLATION_MODES, set_extrapolation
-from visionpe.training.evaluate import accuracy
+from visionpe.training.evaluate import LINE_STYLES, accuracy, line_styles
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALES = (1.0, 1.5, 2.0, 3.0, 4.0)
@@ -386,9 +386,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     summary = _summary(rows)
     tasks, kinds, models, modes = (_ordered(rows, f) for f in ("task", "kind", "model", "mode"))
-    cmap = plt.get_cmap("tab20" if len(models) > 10 else "tab10")
-    colours = {m: cmap(i % cmap.N) for i, m in enumerate(models)}
-    styles = dict(zip(modes, ["-", "--", ":", "-.", (0, (5, 1, 1, 1))], strict=False))
+    colours = {m: colour for m, (colour, _) in line_styles(models).items()}  # the labels carry no mode here
+    styles = {m: LINE_STYLES[i % len(LINE_STYLES)] for i, m in enumerate(modes)}
     fig, axes = plt.subplots(len(tasks), len(kinds), figsize=(5.2 * len(kinds), 3.4 * len(tasks)), squeeze=False)
     for i, task in enumerate(tasks):
         for j, kind in enumerate(kinds):

@@ -10,7 +10,7 @@ import timm
 import visionpe
 from experiments.sweep import accepts_extrapolation
 from visionpe.rotary.scaling import EXTRAPOLATION_MODES
-from visionpe.training.evaluate import markdown_table, summarize
+from visionpe.training.evaluate import line_styles, markdown_table, summarize
 
 from ..scripts import load_script
 
@@ -272,3 +272,13 @@ def test_sweep_arguments_are_checked_before_training(monkeypatch):
             sweep(DIGITS, schemes=["rope_axial"], max_epochs=epochs)
     with pytest.raises(ValueError, match=r"mode 'ntk' is accepted by none of the models \['learned', 'liere'\]"):
         sweep(DIGITS, schemes=["learned", "liere"], extrapolation=["none", "ntk"])
+
+
+def test_plot_lines_have_a_colour_per_model_and_a_style_per_mode():
+    labels = ["learned", "rope_axial", "rope_mixed", "rope_mixed [pi]", "string_cayley [pi]", "rope_axial [ntk]"]
+    labels += [f"scheme{i}" for i in range(8)]  # 12 models: beyond tab10
+    styles = line_styles(labels)
+    models = {label.split(" [")[0]: styles[label][0] for label in labels}
+    assert len(set(models.values())) == len(models) == 12  # no two models share a colour
+    assert styles["rope_mixed [pi]"][0] == styles["rope_mixed"][0] and styles["rope_mixed"][1] == "-"
+    assert styles["rope_mixed [pi]"][1] == styles["string_cayley [pi]"][1] != styles["rope_axial [ntk]"][1] != "-"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 import statistics
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-__all__ = ["accuracy", "sweep", "summarize", "markdown_table", "write_report"]
+__all__ = ["accuracy", "sweep", "summarize", "markdown_table", "write_report", "line_styles", "LINE_STYLES"]
 
 
 @torch.no_grad()
@@ -86,6 +87,33 @@ def markdown_table(rows: list[dict], size_label: str = "px") -> str:
     return "\n".join(lines)
 
 
+LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (3, 1, 1, 1, 1, 1)))
+_MODE_LABEL = re.compile(r"^(?P<model>.+) \[(?P<mode>[^\]]+)\]$")
+
+
+def line_styles(labels: Iterable[str]) -> dict[str, tuple[tuple[float, ...], str | tuple]]:
+    """{label: (colour, line style)} for plot lines labelled ``model`` or ``model [mode]``: one colour per model
+    (tab10, or tab20 beyond 10 models, in order of first appearance) and one line style per mode (solid for the
+    plain model), so that ``rope_mixed [pi]`` has ``rope_mixed``'s colour, dashed, and no two models share one.
+    """
+    import matplotlib
+
+    labels = list(dict.fromkeys(labels))
+    parts = {}
+    for label in labels:
+        match = _MODE_LABEL.match(label)
+        parts[label] = (match["model"], match["mode"]) if match else (label, "none")
+    models = list(dict.fromkeys(model for model, _ in parts.values()))
+    modes = list(dict.fromkeys(mode for _, mode in parts.values()))
+    if "none" in modes:  # the plain model keeps the solid line
+        modes.remove("none")
+        modes.insert(0, "none")
+    cmap = matplotlib.colormaps["tab20" if len(models) > 10 else "tab10"]
+    colours = {m: cmap(i % cmap.N) for i, m in enumerate(models)}
+    styles = {m: LINE_STYLES[i % len(LINE_STYLES)] for i, m in enumerate(modes)}
+    return {label: (colours[model], styles[mode]) for label, (model, mode) in parts.items()}
+
+
 def write_report(rows: list[dict], out_dir: str | Path, title: str, size_label: str = "px") -> dict[str, Path]:
     """Write ``results.md``, ``results.csv`` and ``results.png`` under ``out_dir``; return their paths."""
     if not rows:
@@ -109,11 +137,14 @@ def write_report(rows: list[dict], out_dir: str | Path, title: str, size_label: 
         writer.writeheader()
         writer.writerows({k: row[k] for k in ("model", "seed", "size", "acc")} for row in rows)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for model, by_size in summarize(rows).items():
+    summary = summarize(rows)
+    styles = line_styles(summary)
+    for model, by_size in summary.items():
         sizes = list(by_size)
         means = [by_size[s][0] for s in sizes]
         stds = [by_size[s][1] for s in sizes]
-        ax.errorbar(sizes, means, yerr=stds, marker="o", capsize=3, label=model)
+        colour, style = styles[model]
+        ax.errorbar(sizes, means, yerr=stds, marker="o", capsize=3, label=model, color=colour, linestyle=style)
     ax.set_xlabel(f"test size ({size_label})")
     ax.set_ylabel("top-1 accuracy (%)")
     ax.set_title(title)
