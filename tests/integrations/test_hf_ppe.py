@@ -31,7 +31,7 @@ def _rotary_ids(model, inputs, **kwargs):
     return seen[0], logits
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_ppe_with_equal_representatives_is_mrope_and_clusters_reach_the_rotary(family):
     model = hf.tiny_model(family)
     inputs = hf.batch(hf.IMAGES)
