@@ -462,7 +462,7 @@ def test_new_designs_train_and_evaluate_end_to_end(tmp_path, scheme):
 
 
 def test_not_applicable_designs_are_reported_not_run(tmp_path, monkeypatch):
-    def fake(task, scheme, seed, setting, log_dir=None):
+    def fake(task, scheme, seed, setting, log_dir=None, trainer_args=None):
         return [
             {
                 "task": task,
@@ -500,7 +500,7 @@ def _fake_runs(monkeypatch, acc=50.0):
     """train_and_evaluate replaced by rows of the setting (accuracy ``acc``), so that the CLI runs in no time."""
     trained = []
 
-    def fake(task, scheme, seed, setting, log_dir=None):
+    def fake(task, scheme, seed, setting, log_dir=None, trainer_args=None):
         trained.append((task, scheme, seed))
         return [
             {
