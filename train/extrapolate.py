@@ -5,7 +5,7 @@ Evaluate trained checkpoints:
     python train/extrapolate.py --config configs/demo/digits.yaml --checkpoints runs/a/last.ckpt runs/b/last.ckpt \
         --sizes 32 48 64 96 128
 
-Train each scheme from a config, then sweep (what ``scripts/run.sh`` does on the bundled digits):
+Train each scheme from a config, then sweep (what ``scripts/digits.sh`` does on the bundled digits):
 
     python train/extrapolate.py --config configs/demo/digits.yaml --schemes learned rope_axial rope_mixed \
         --references timm_ape timm_rope_axial --seeds 0 1 2 --extrapolation none ntk --out runs/demo
