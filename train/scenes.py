@@ -559,8 +559,12 @@ def run(
                 pool.submit(call_by_name, *one, config, task, seed, label, run_args, *shared): index
                 for index, (task, seed, label, run_args) in enumerate(todo)
             }
-            for future in as_completed(futures):
-                report(futures[future], *future.result())
+            try:
+                for future in as_completed(futures):
+                    report(futures[future], *future.result())
+            except BaseException:
+                pool.shutdown(cancel_futures=True)  # a failed run stops the queue; finished runs stay for --reuse
+                raise
     rows = [row for index in range(len(todo)) for row in found[index]]
     title = "Scenes benchmark: extrapolation where position matters"
     return write_report(rows, out, title, checked["img_size"]), rows, checked["img_size"]
