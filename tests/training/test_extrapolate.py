@@ -282,3 +282,7 @@ def test_plot_lines_have_a_colour_per_model_and_a_style_per_mode():
     assert len(set(models.values())) == len(models) == 12  # no two models share a colour
     assert styles["rope_mixed [pi]"][0] == styles["rope_mixed"][0] and styles["rope_mixed"][1] == "-"
     assert styles["rope_mixed [pi]"][1] == styles["string_cayley [pi]"][1] != styles["rope_axial [ntk]"][1] != "-"
+    with pytest.raises(TypeError, match="labels must be an iterable of str.*got 3"):
+        line_styles(["a", 3])
+    with pytest.raises(TypeError, match="got the str 'rope_axial'"):
+        line_styles("rope_axial")

@@ -87,6 +87,14 @@ def markdown_table(rows: list[dict], size_label: str = "px") -> str:
     return "\n".join(lines)
 
 
+def _matplotlib():
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError('plots need matplotlib, part of the "train" extra: pip install "visionpe[train]"') from err
+    return matplotlib
+
+
 LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (3, 1, 1, 1, 1, 1)))
 _MODE_LABEL = re.compile(r"^(?P<model>.+) \[(?P<mode>[^\]]+)\]$")
 
@@ -95,10 +103,17 @@ def line_styles(labels: Iterable[str]) -> dict[str, tuple[tuple[float, ...], str
     """{label: (colour, line style)} for plot lines labelled ``model`` or ``model [mode]``: one colour per model
     (tab10, or tab20 beyond 10 models, in order of first appearance) and one line style per mode (solid for the
     plain model), so that ``rope_mixed [pi]`` has ``rope_mixed``'s colour, dashed, and no two models share one.
-    """
-    import matplotlib
 
+    Raises:
+        TypeError: ``labels`` is a str or holds anything but str.
+    """
+    if isinstance(labels, str):
+        raise TypeError(f"labels must be an iterable of str (one per plot line), got the str {labels!r}")
     labels = list(dict.fromkeys(labels))
+    wrong = [label for label in labels if not isinstance(label, str)]
+    if wrong:
+        raise TypeError(f"labels must be an iterable of str (one per plot line), got {wrong[0]!r}")
+    matplotlib = _matplotlib()
     parts = {}
     for label in labels:
         match = _MODE_LABEL.match(label)
@@ -118,13 +133,7 @@ def write_report(rows: list[dict], out_dir: str | Path, title: str, size_label: 
     """Write ``results.md``, ``results.csv`` and ``results.png`` under ``out_dir``; return their paths."""
     if not rows:
         raise ValueError("rows is empty: nothing to report")
-    try:
-        import matplotlib
-    except ImportError as err:
-        raise ImportError(
-            'write_report plots with matplotlib, part of the "train" extra: pip install "visionpe[train]"'
-        ) from err
-
+    matplotlib = _matplotlib()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
