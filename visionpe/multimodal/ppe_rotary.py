@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from ..checks import check_tensor
 from .allocation import ppe_split_allocation
 from .rotary import MultimodalRotary, RopeScaling
 
@@ -78,35 +77,8 @@ class PPERotary(MultimodalRotary):
             raise ValueError(f"PPERotary serves the 'ppe' scheme, got {scheme!r}; use MultimodalRotary.from_scheme")
         return cls(head_dim, base=base, **kwargs)
 
-    def angles(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """Angles (B, L, D/2) from ids (3K, B, L), (3, B, L) (every representative at the token's own (t, h, w)) or
-        (B, L) (the same id on every row)."""
-        rows = self.mix.shape[1]
-        check_tensor(position_ids, "position_ids", expected="a tensor")
-        check_tensor(position_ids, "position_ids", dtype="real", expected="integer or floating point")
-        if position_ids.ndim == 2:
-            position_ids = position_ids.unsqueeze(0).expand(rows, -1, -1)
-        elif position_ids.ndim == 3 and position_ids.shape[0] == 3 and rows != 3:
-            position_ids = position_ids.repeat_interleave(self.num_representatives, dim=0)  # t..t, h..h, w..w
-        if position_ids.ndim != 3 or position_ids.shape[0] != rows or 0 in position_ids.shape:
-            raise ValueError(
-                f"position_ids must be (3K, B, L) = ({rows}, B, L) for K = {self.num_representatives}, (3, B, L) or "
-                f"(B, L), non-empty, got {tuple(position_ids.shape)}"
-            )
-        if (
-            position_ids.is_floating_point()
-            and not torch.compiler.is_compiling()
-            and not torch.isfinite(position_ids).all()
-        ):
-            raise ValueError("position_ids must be finite, got NaN or inf")
-        if self.rope_scaling.rope_type == "dynamic":
-            self._update_dynamic(position_ids)
-        row_of_pair = self.mix.argmax(1)  # one-hot rows: a gather is the mix, exactly
-        with torch.autocast(position_ids.device.type, enabled=False):
-            if position_ids.dtype == torch.float64:
-                pos = position_ids.index_select(0, row_of_pair).permute(1, 2, 0)  # (B, L, P)
-                inv_freq = self._frequencies(torch.float64, position_ids.device)
-            else:
-                pos = position_ids.index_select(0, row_of_pair).float().permute(1, 2, 0)
-                inv_freq = self.inv_freq
-            return pos * inv_freq
+    def _mixed_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """(B, L, P): pair n's position, row(n) of the ids; the mix is one-hot, so a gather is the mix, exactly,
+        without the product over all 3K rows."""
+        pos = position_ids.index_select(0, self.mix.argmax(1)).permute(1, 2, 0)
+        return pos if pos.dtype == torch.float64 else pos.float()

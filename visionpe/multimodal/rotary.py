@@ -430,34 +430,51 @@ class MultimodalRotary(nn.Module):
         fractional steps of 2^-8 up to 2^44); fp32 for any other dtype (int64 ids are exact below 2^24). Under
         dynamic NTK scaling the frequencies first follow these ids' length (max id + 1), as transformers does.
         """
+        position_ids = self._checked_ids(position_ids)
+        if self.rope_scaling.rope_type == "dynamic":
+            self._update_dynamic(position_ids)
+        with torch.autocast(position_ids.device.type, enabled=False):
+            if position_ids.dtype == torch.float64:
+                # Fractional ids: positions, mix and frequencies in fp64 (V2PE's 2^-8 steps merge in fp32 above 2^16).
+                inv_freq = self._frequencies(torch.float64, position_ids.device)
+            else:
+                inv_freq = self.inv_freq
+            mixed = self._mixed_positions(position_ids)  # (B, L, P or H)
+            if self.per_head:
+                return mixed.transpose(1, 2).unsqueeze(-1) * inv_freq
+            return mixed * inv_freq
+
+    def _checked_ids(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """``position_ids`` as (R, B, L), R the rows the mix reads (3; 3K for K positions per token), after checking
+        them: (B, L) ids stand on every row, and (3, B, L) ids for R = 3K on each axis's K rows (a token whose K
+        positions are its own). ValueError for another shape, an empty one or non-finite floating ids."""
         check_tensor(position_ids, "position_ids", expected="a tensor")
         check_tensor(position_ids, "position_ids", dtype="real", expected="integer or floating point")
+        rows = self.mix.shape[1]
         if position_ids.ndim == 2:
-            position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
-        if position_ids.ndim != 3 or position_ids.shape[0] != 3 or 0 in position_ids.shape:
-            raise ValueError(f"position_ids must be (3, B, L) or (B, L), non-empty, got {tuple(position_ids.shape)}")
+            position_ids = position_ids.unsqueeze(0).expand(rows, -1, -1)
+        elif position_ids.ndim == 3 and position_ids.shape[0] == 3 and rows != 3:
+            position_ids = position_ids.repeat_interleave(rows // 3, dim=0)  # t..t, h..h, w..w
+        if position_ids.ndim != 3 or position_ids.shape[0] != rows or 0 in position_ids.shape:
+            expected = "(3, B, L)" if rows == 3 else f"(3K, B, L) = ({rows}, B, L) for K = {rows // 3}, (3, B, L)"
+            raise ValueError(f"position_ids must be {expected} or (B, L), non-empty, got {tuple(position_ids.shape)}")
         if (
             position_ids.is_floating_point()
             and not torch.compiler.is_compiling()  # no data-dependent branch in compiled or exported graphs
             and not torch.isfinite(position_ids).all()
         ):
             raise ValueError("position_ids must be finite, got NaN or inf")
-        if self.rope_scaling.rope_type == "dynamic":
-            self._update_dynamic(position_ids)
-        with torch.autocast(position_ids.device.type, enabled=False):
-            if position_ids.dtype == torch.float64:
-                # Fractional ids: positions, mix and frequencies in fp64 (V2PE's 2^-8 steps merge in fp32 above 2^16).
-                pos = position_ids.permute(1, 2, 0)  # (B, L, 3)
-                mix = self.mix.to(torch.float64)
-                inv_freq = self._frequencies(torch.float64, position_ids.device)
-            else:
-                pos = position_ids.float().permute(1, 2, 0)  # (B, L, 3)
-                mix, inv_freq = self.mix, self.inv_freq
-            # Elementwise product and sum rather than a matmul: exact for one-hot rows, no TF32.
-            mixed = (pos.unsqueeze(-2) * mix).sum(-1)  # (B, L, P or H)
-            if self.per_head:
-                return mixed.transpose(1, 2).unsqueeze(-1) * inv_freq
-            return mixed * inv_freq
+        return position_ids
+
+    def _mixed_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """(B, L, P or H): each pair's (or KV head's) position, the mix's weighted sum of the rows of checked ids
+        (R, B, L); fp64 for float64 ids, else fp32."""
+        if position_ids.dtype == torch.float64:
+            pos, mix = position_ids.permute(1, 2, 0), self.mix.to(torch.float64)  # (B, L, R)
+        else:
+            pos, mix = position_ids.float().permute(1, 2, 0), self.mix
+        # Elementwise product and sum rather than a matmul: exact for one-hot rows, no TF32.
+        return (pos.unsqueeze(-2) * mix).sum(-1)
 
     def forward(
         self, position_ids: torch.Tensor, dtype: torch.dtype | None = None

@@ -133,7 +133,7 @@ class _HFRotary(nn.Module):
         self.originals = dict(originals or {})
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.rotary.mix.shape[1] if isinstance(self.rotary, PPERotary) else 3
+        rows = self.rotary.mix.shape[1]  # 3, or 3K for PPE's K positions per token
         if rows != 3 and position_ids.ndim == 3 and position_ids.shape[0] == rows + 1:
             # generate puts a text row in front of the scheme's ids; transformers drops it only from 4 rows
             position_ids = position_ids[1:]
