@@ -67,7 +67,7 @@ from experiments.sweep import (
 )
 from visionpe.checks import check_int
 from visionpe.rotary.scaling import EXTRAPOLATION_MODES, set_extrapolation
-from visionpe.training.evaluate import LINE_STYLES, accuracy, line_styles
+from visionpe.training.evaluate import accuracy, plot_palette
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALES = (1.0, 1.5, 2.0, 3.0, 4.0)
@@ -386,8 +386,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     summary = _summary(rows)
     tasks, kinds, models, modes = (_ordered(rows, f) for f in ("task", "kind", "model", "mode"))
-    colours = {m: colour for m, (colour, _) in line_styles(models).items()}  # the labels carry no mode here
-    styles = {m: LINE_STYLES[i % len(LINE_STYLES)] for i, m in enumerate(modes)}
+    colours, styles = plot_palette(models, modes)
     fig, axes = plt.subplots(len(tasks), len(kinds), figsize=(5.2 * len(kinds), 3.4 * len(tasks)), squeeze=False)
     for i, task in enumerate(tasks):
         for j, kind in enumerate(kinds):

@@ -18,7 +18,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-__all__ = ["accuracy", "sweep", "summarize", "markdown_table", "write_report", "line_styles", "LINE_STYLES"]
+__all__ = [
+    "accuracy",
+    "sweep",
+    "summarize",
+    "markdown_table",
+    "write_report",
+    "line_styles",
+    "plot_palette",
+    "LINE_STYLES",
+]
 
 
 @torch.no_grad()
@@ -95,6 +104,18 @@ def _matplotlib():
     return matplotlib
 
 
+def _names(values: Iterable[str], name: str, what: str = "") -> list[str]:
+    """``values`` as a list after checking it is an iterable of str (TypeError naming ``name`` otherwise)."""
+    expected = f"an iterable of str{f' ({what})' if what else ''}"
+    if isinstance(values, str):
+        raise TypeError(f"{name} must be {expected}, got the str {values!r}")
+    values = list(values)
+    wrong = [value for value in values if not isinstance(value, str)]
+    if wrong:
+        raise TypeError(f"{name} must be {expected}, got {wrong[0]!r}")
+    return values
+
+
 LINE_STYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (3, 1, 1, 1, 1, 1)))
 _MODE_LABEL = re.compile(r"^(?P<model>.+) \[(?P<mode>[^\]]+)\]$")
 
@@ -107,26 +128,29 @@ def line_styles(labels: Iterable[str]) -> dict[str, tuple[tuple[float, ...], str
     Raises:
         TypeError: ``labels`` is a str or holds anything but str.
     """
-    if isinstance(labels, str):
-        raise TypeError(f"labels must be an iterable of str (one per plot line), got the str {labels!r}")
-    labels = list(dict.fromkeys(labels))
-    wrong = [label for label in labels if not isinstance(label, str)]
-    if wrong:
-        raise TypeError(f"labels must be an iterable of str (one per plot line), got {wrong[0]!r}")
-    matplotlib = _matplotlib()
     parts = {}
-    for label in labels:
+    for label in dict.fromkeys(_names(labels, "labels", "one per plot line")):
         match = _MODE_LABEL.match(label)
         parts[label] = (match["model"], match["mode"]) if match else (label, "none")
-    models = list(dict.fromkeys(model for model, _ in parts.values()))
-    modes = list(dict.fromkeys(mode for _, mode in parts.values()))
+    models = dict.fromkeys(model for model, _ in parts.values())
+    colours, styles = plot_palette(models, dict.fromkeys(mode for _, mode in parts.values()))
+    return {label: (colours[model], styles[mode]) for label, (model, mode) in parts.items()}
+
+
+def plot_palette(models: Iterable[str], modes: Iterable[str] = ("none",)) -> tuple[dict, dict]:
+    """({model: colour}, {mode: line style}): one colour per model (tab10, or tab20 beyond 10 models, in order) and
+    one line style per extrapolation mode, ``"none"`` (the plain model) solid and the others in order.
+
+    Raises:
+        TypeError: ``models`` or ``modes`` is a str or holds anything but str.
+    """
+    models, modes = _names(models, "models"), _names(modes, "modes")
     if "none" in modes:  # the plain model keeps the solid line
         modes.remove("none")
         modes.insert(0, "none")
-    cmap = matplotlib.colormaps["tab20" if len(models) > 10 else "tab10"]
+    cmap = _matplotlib().colormaps["tab20" if len(models) > 10 else "tab10"]
     colours = {m: cmap(i % cmap.N) for i, m in enumerate(models)}
-    styles = {m: LINE_STYLES[i % len(LINE_STYLES)] for i, m in enumerate(modes)}
-    return {label: (colours[model], styles[mode]) for label, (model, mode) in parts.items()}
+    return colours, {m: LINE_STYLES[i % len(LINE_STYLES)] for i, m in enumerate(modes)}
 
 
 def write_report(rows: list[dict], out_dir: str | Path, title: str, size_label: str = "px") -> dict[str, Path]:
