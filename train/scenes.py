@@ -21,7 +21,8 @@ Output under ``--out``: ``results.csv`` (one row per task, kind, model, mode, se
 table per task and kind, mean ± std over seeds), ``results.png`` (accuracy against size in units of the training
 size, one panel per task and kind, a colour per model and a line style per mode, error bars: std over seeds), and
 per run ``<task>/<model>/seed<k>/`` with ``final.ckpt``, its logs and ``eval.csv``. ``--reuse`` continues an
-interrupted run: finished trainings and evaluations are loaded, the rest is done. ``--results DIR`` also writes
+interrupted run or extends a finished one: finished trainings and evaluated sets are loaded and only the missing
+ones are done (a run given more sizes, kinds or modes evaluates only those). ``--results DIR`` also writes
 ``DIR/<name>.md``, ``.csv`` and ``.png`` (name: ``--results-name``, default ``scenes``), headed by the date, commit,
 versions, device and command (``bench/results.py``). ``--jobs N`` trains N runs at once, one process each (``--jobs 2``
 on 2 cores). Importable: ``from scenes import main``.
@@ -289,15 +290,20 @@ def _write_rows(path: Path, rows: list[dict]) -> None:
         writer.writerows({k: row[k] for k in FIELDS} for row in rows)
 
 
-def evaluate(model, datamodule, task, label, seed, kinds, sizes, modes, device) -> list[dict]:
-    """Rows of ``model`` on every evaluation set (kind x size) under every mode it accepts (then back to none)."""
+def evaluate(model, datamodule, task, label, seed, kinds, sizes, modes, device, skip=frozenset()) -> list[dict]:
+    """Rows of ``model`` on every evaluation set (kind x size) under every mode it accepts (then back to none),
+    except the (kind, size, mode) in ``skip`` (already evaluated: each set is drawn from the seed, kind and size
+    alone, so a row does not depend on which others are evaluated with it)."""
     rows = []
     accepted = [m for m in modes if accepts_extrapolation(model.model, m)]
     rotary = bool(_scalable(model.model))
     for kind in kinds:
         for size in sizes:
+            todo = [m for m in accepted if (kind, size, m) not in skip]
+            if not todo:
+                continue
             loader = datamodule.eval_dataloader(size, kind)
-            for mode in accepted:
+            for mode in todo:
                 if rotary:
                     set_extrapolation(model.model, mode)
                 acc = accuracy(model, loader, device)
@@ -487,19 +493,23 @@ def _train_and_evaluate_one(
             for m in settings["extrapolation"]
             if accepts_extrapolation(model.model, m)
         }
-        previous = _read_rows(evaluated) if reuse and evaluated.is_file() else []
-        if (
-            previous
-            and {(r["kind"], r["size"], r["mode"]) for r in previous} >= wanted
-            and all(r["n"] == datamodule.eval_samples for r in previous)
-        ):
-            found = [r for r in previous if (r["kind"], r["size"], r["mode"]) in wanted]
+        # --reuse keeps the rows evaluated before (with the loaded checkpoint, on as many scenes as now): a run
+        # extended to more sizes, kinds or modes evaluates only the sets it lacks, and eval.csv keeps them all.
+        previous = _read_rows(evaluated) if reused and evaluated.is_file() else []
+        have = {(r["kind"], r["size"], r["mode"]): r for r in previous if r["n"] == datamodule.eval_samples}
+        loaded = len(wanted & have.keys())
+        if loaded == len(wanted):
             line += ", evaluation loaded"
         else:
             started = time.perf_counter()
-            found = evaluate(model, datamodule, task, label, seed, kinds, sizes, settings["extrapolation"], device)
-            _write_rows(evaluated, found)
-            line += f", evaluated in {_format_seconds(time.perf_counter() - started)}"
+            modes = settings["extrapolation"]
+            new = evaluate(model, datamodule, task, label, seed, kinds, sizes, modes, device, skip=set(have))
+            have.update({(r["kind"], r["size"], r["mode"]): r for r in new})
+            _write_rows(evaluated, list(have.values()))
+            line += f", {len(new)} sets evaluated in {_format_seconds(time.perf_counter() - started)}"
+            line += f" ({loaded} loaded)" if loaded else ""
+        modes = settings["extrapolation"]
+        found = [have[(k, s, m)] for k in kinds for s in sizes for m in modes if (k, s, m) in wanted]
         for row in found:
             row["model"] = label
         at_1x = [r["acc"] for r in found if r["size"] == datamodule.img_size and r["mode"] == "none"]

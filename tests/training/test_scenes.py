@@ -272,6 +272,29 @@ def test_quick_mode_end_to_end(tmp_path, monkeypatch):
     assert first.startswith("Measured ") and "command: `python train/scenes.py --config" in first
     assert again["results_png"].name == "scenes.png" and again["results_csv"].name == "scenes.csv"
 
+    # --reuse with one more size: only the sets at that size are evaluated, the others are loaded unchanged
+    monkeypatch.undo()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(lightning.pytorch.Trainer, "fit", lambda *a, **k: pytest.fail("trained again"))
+    evaluated = []
+
+    def recording(model, datamodule, task, label, seed, kinds, sizes, modes, device, skip=frozenset()):
+        new = evaluate(model, datamodule, task, label, seed, kinds, sizes, modes, device, skip=skip)
+        evaluated.extend(new)
+        return new
+
+    evaluate = script.evaluate
+    monkeypatch.setattr(script, "evaluate", recording)
+    wider = script.main([*args, "--reuse", "--scales", "1", "1.5", "2"])
+    assert evaluated and {r["size"] for r in evaluated} == {48}
+    assert len(evaluated) == len(rows) // 2  # the 1.5x sets of every task, kind, model and mode
+    extended = list(csv.DictReader(wider["csv"].open()))
+    assert [r for r in extended if int(r["size"]) != 48] == rows
+    assert {int(r["size"]) for r in extended} == {32, 48, 64}
+    # and each run's eval.csv now holds all three sizes, so a second pass evaluates nothing
+    monkeypatch.setattr(script, "evaluate", lambda *a, **k: pytest.fail("evaluated again"))
+    assert list(csv.DictReader(script.main([*args, "--reuse", "--scales", "1", "1.5", "2"])["csv"].open())) == extended
+
 
 def test_jobs_train_in_processes_of_their_own_with_the_same_rows(tmp_path):
     script = load_script("train/scenes.py")
