@@ -63,6 +63,27 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return shlex.join(["python", *(relative_path(arg) for arg in argv)])
 
 
+def last_options(argv: Sequence[str]) -> list[str]:
+    """``argv`` with every ``--option`` (with its values) kept only where it is given last.
+
+    For scripts whose options are all argparse ``store`` actions, where the last occurrence wins: a wrapper script's
+    defaults followed by the user's overrides then read as the command that ran in effect. The program name and
+    anything before the first option stay in place; ``--name=value`` counts as ``--name``.
+    """
+    argv = list(argv)
+    head = next((i for i, arg in enumerate(argv) if arg.startswith("--")), len(argv))
+    groups: list[list[str]] = []
+    for arg in argv[head:]:
+        if arg.startswith("--"):
+            groups.append([arg])
+        else:
+            groups[-1].append(arg)
+    last = {group[0].split("=", 1)[0]: i for i, group in enumerate(groups)}
+    return argv[:head] + [
+        arg for i, group in enumerate(groups) if last[group[0].split("=", 1)[0]] == i for arg in group
+    ]
+
+
 def git_commit() -> str:
     """The short hash of HEAD, with ``+dirty`` when tracked files have uncommitted changes; ``unknown`` without git."""
     try:

@@ -73,3 +73,22 @@ def test_cuda_device_named_or_marked_missing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert results.device_name("cuda") == "cuda (not available)"
     assert results.device_name("cpu").startswith("CPU (")
+
+
+def test_last_options_keeps_each_option_where_it_is_given_last():
+    argv = ["train/scenes.py", "--config", "c.yaml", "--seeds", "0", "--jobs", "2", "--seeds", "0", "1", "2", "--reuse"]
+    assert results.last_options(argv) == [
+        "train/scenes.py",
+        "--config",
+        "c.yaml",
+        "--jobs",
+        "2",
+        "--seeds",
+        "0",
+        "1",
+        "2",
+        "--reuse",
+    ]
+    assert results.last_options(["x.py", "--a=1", "--b", "--a", "2"]) == ["x.py", "--b", "--a", "2"]
+    assert results.last_options(["x.py", "pos"]) == ["x.py", "pos"]
+    assert results.last_options([]) == []

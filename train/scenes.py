@@ -440,10 +440,12 @@ def write_report(rows: list[dict], out: Path, title: str, img_size: int) -> dict
 
 def write_results_table(paths, rows, config, out_dir, name, command, img_size) -> tuple[Path, Path, Path]:
     """The table as ``<out_dir>/<name>.md`` and ``.csv`` through the benchmarks' shared writer (headed by the date,
-    commit, versions, device and command), and the plot as ``<name>.png``."""
+    commit, versions, device and command), and the plot as ``<name>.png``. Every option of this script is a store
+    action, so the command is recorded with each option where it is given last (a wrapper's default given again by
+    the user appears once, as it ran)."""
     sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repository, next to train/
     try:
-        from bench.results import write_results
+        from bench.results import last_options, write_results
     finally:
         sys.path.remove(str(ROOT))
     columns, body = table_rows(rows)
@@ -456,7 +458,9 @@ def write_results_table(paths, rows, config, out_dir, name, command, img_size) -
         "`[mode]`: the same weights evaluated with that extrapolation mode (`pi`: position interpolation).",
     ]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    md, csv_path = write_results(name, body, columns, out_dir=out_dir, command=command, notes=notes, device=device)
+    md, csv_path = write_results(
+        name, body, columns, out_dir=out_dir, command=last_options(command), notes=notes, device=device
+    )
     png = Path(out_dir) / f"{name}.png"
     shutil.copyfile(paths["png"], png)
     return md, csv_path, png
