@@ -15,9 +15,10 @@ zero) and gather them again (:meth:`~visionpe.rotary.state.LayerRotation.rotate_
 grid's bias (from q and k placed back likewise) and gather the kept rows and columns. Every scheme thus takes patch
 dropout with the same rotations and biases as the full grid.
 
-A dense bias is (B, heads, N, N): 400 MB in fp32 for ViT-S at 1024 px (N = 4097), per block. When it would
-exceed ``PosAttention.bias_chunk_bytes`` and autograd does not record the attention (inference, or q and k that
-need no gradient), attention runs in chunks of query rows: each scheme builds the bias of those rows only
+A dense bias is (B, heads, N, N): 400 MB in fp32 for ViT-S at 1024 px (N = 4097), per block, or (1, heads, N, N)
+where every scheme's bias depends on the positions only (``batch_shared_bias``). When it would exceed
+``PosAttention.bias_chunk_bytes`` and autograd does not record the attention (inference, or q and k that need no
+gradient), attention runs in chunks of query rows: each scheme builds the bias of those rows only
 (``attn_bias(..., rows=)``), and each chunk's softmax is over all keys, so the result is the same as the full
 computation. A recorded attention keeps its whole bias for the backward in any case, so it runs in one piece.
 
@@ -236,7 +237,10 @@ class PosAttention(Attention):
         # chunks known only when it runs, and comparing chunk and N would fix the traced image size
         symbolic = isinstance(N, torch.SymInt)
         chunking = pos.bias and not is_causal and pos.keep is None and not recorded and not symbolic
-        chunk = self.query_chunk_rows(B, N) if chunking else N
+        # biases of the positions only are (1, heads, rows, N), shared by the batch: chunks sized for one sample
+        shared = chunking and all(s.batch_shared_bias for s, _ in pos.bias if not s.augments_qk)
+        shared = shared and (attn_mask is None or attn_mask.ndim < 4 or attn_mask.shape[0] == 1)
+        chunk = self.query_chunk_rows(1 if shared else B, N) if chunking else N
         terms = self._fused_terms(q, k, pos, attn_mask, is_causal, symbolic)
         if terms is not None:
             return _flex_attention(q, k, v, offset_score_mod(terms), self.scale)

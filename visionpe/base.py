@@ -325,6 +325,10 @@ class BiasPositionEncoding(PositionEncoding, ABC):
     #: the bias is written as extra channels appended to q and k (:meth:`augment_qk`): q~ . k~ = q . k + bias, so
     #: attention never builds an N x N bias; ``attn_bias`` is then not called
     augments_qk: bool = False
+    #: ``attn_bias`` depends on the positions only and returns a batch dimension of 1, shared by every sample
+    #: (ALiBi, LookHere, KERPLE...); attention then sizes its query chunks for one sample's bias instead of the
+    #: batch's (False: the bias may hold one (heads, rows, N) block per sample, as a content-dependent bias does)
+    batch_shared_bias: bool = False
 
     @abstractmethod
     def prepare(self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None) -> Any:

@@ -80,6 +80,31 @@ def test_row_state_gives_the_exact_bias(make):
     assert torch.equal(rows.attn_bias(q, k, rows.prepare(grid, prefix), 1), expected)
 
 
+@pytest.mark.parametrize("make", SCHEMES)
+def test_batch_shared_bias_is_one_bias_for_the_batch(make):
+    """``batch_shared_bias`` (attention then sizes its query chunks for one sample's bias) holds exactly for the
+    schemes whose bias has a batch dimension of 1 and does not change with q, k or the tokens."""
+    torch.manual_seed(0)
+    scheme = make()
+    for param in scheme.parameters():
+        torch.nn.init.normal_(param, std=0.5)
+    prefix = scheme.num_prefix_tokens if isinstance(scheme, IRPE) else 1
+    state, n = scheme.prepare((3, 5), prefix), prefix + 15
+
+    def bias(seed):
+        q, k = torch.randn(2, 3, n, 8, generator=torch.Generator().manual_seed(seed)).unbind(0)
+        q, k = torch.stack([q, q + 1]), torch.stack([k, 2 * k])  # two samples that differ
+        extra = {"tokens": q.transpose(1, 2).flatten(2)} if scheme.needs_tokens else {}
+        return scheme.attn_bias(q, k, state, 1, **extra)
+
+    if scheme.augments_qk:
+        assert not scheme.batch_shared_bias
+        return
+    first, second = bias(0), bias(1)
+    shared = first.shape[0] == 1 and torch.equal(first, second)
+    assert scheme.batch_shared_bias == shared, (type(scheme).__name__, tuple(first.shape))
+
+
 def test_rows_shape_mismatch_raises():
     scheme = IRPE(24, 3, 2)
     state = scheme.prepare((3, 5), 1)

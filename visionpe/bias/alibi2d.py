@@ -85,6 +85,7 @@ class Alibi2D(GlobalSlope, BiasPositionEncoding):
     """
 
     ndims = (2,)
+    batch_shared_bias = True  # a function of the positions only
     consumes_coords = True  # index coordinates; a training-time coord_augment draws them (CoordinateState)
     # grids up to this many tokens cache their full offset index per forward (4 MB at 1024 tokens)
     full_state_max_tokens: int = 1024

@@ -82,6 +82,7 @@ class FIRE(BiasPositionEncoding):
     """
 
     ndims = (2,)
+    batch_shared_bias = True  # a function of the positions only
     #: grids up to this many tokens cache their full (N, N) offset index per forward (4 MB at 1024 tokens)
     full_state_max_tokens: int = 1024
     #: query rows are evaluated in pieces whose fp32 (rows, N, mlp_width) hidden layer fits this many bytes

@@ -233,6 +233,7 @@ class IRPE(BiasPositionEncoding):
         self.num_prefix_tokens, self.num_heads, self.head_dim = num_prefix_tokens, num_heads, dim // num_heads
         self.num_buckets = irpe_num_buckets(method, self.ratio, num_prefix_tokens)
         self.needs_probs = "v" in self.on
+        self.batch_shared_bias = mode == "bias"  # a scalar per bucket: no q or k in the logit terms
         heads = 1 if self.shared_heads else num_heads
         shapes = {
             "q": (depth, heads, self.head_dim, self.num_buckets),
