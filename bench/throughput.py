@@ -14,6 +14,7 @@ in the same run; timm's own RoPE ViTs (Eva) are printed as reference rows.
     .venv/bin/python bench/throughput.py --schemes alibi2d --flex  # and bias schemes on FlexAttention (GPU rows)
     .venv/bin/python bench/throughput.py --schemes rope_axial --fused-rotary rope_axial  # and RoPE's compiled kernel
     .venv/bin/python bench/throughput.py --schemes learned_factorized --update  # one row more, the others kept
+    .venv/bin/python bench/throughput.py --inference --size 512 --schemes alibi2d lookhere  # forward passes only
     python3 bench/throughput.py --device cuda --precision bf16 --batch 128 --steps 5 --profile  # on a GPU
 
 ``--malloc retain`` (Linux, glibc) sets M_MMAP_THRESHOLD to its 32 MB maximum and M_TRIM_THRESHOLD beyond any
@@ -26,8 +27,12 @@ arithmetic and memory traffic alone (as jemalloc or tcmalloc, which PyTorch's CP
 ``--fused-rotary`` rows run the rotary schemes named with ``set_rotary_backend(model, "fused")``: the model eager,
 q and k rotated by one kernel compiled with ``torch.compile`` (compiled during the warm-up steps, at least one).
 
-The table printed is also written to ``<--out>/throughput.md`` and ``throughput.csv`` (``bench/results.py``: the date,
-commit, versions, device and command on the first line of the Markdown file).
+``--inference`` times forward passes instead (models in eval mode, ``torch.inference_mode``): what evaluating at
+large sizes costs, where bias schemes compute their bias in chunks of query rows (``PosAttention``).
+
+The table printed is also written to ``<--out>/throughput.md`` and ``throughput.csv`` (``throughput_inference.*``
+with ``--inference``; ``bench/results.py``: the date, commit, versions, device and command on the first line of the
+Markdown file).
 """
 
 from __future__ import annotations
@@ -70,27 +75,43 @@ def retain_heap() -> None:
 
 
 def step_time(
-    model: torch.nn.Module, images: torch.Tensor, precision: str = "fp32", steps: int = 1, **inputs: torch.Tensor
+    model: torch.nn.Module,
+    images: torch.Tensor,
+    precision: str = "fp32",
+    steps: int = 1,
+    inference: bool = False,
+    **inputs: torch.Tensor,
 ) -> float:
-    """Seconds per forward + backward, the mean of ``steps`` steps (CUDA synchronised before and after)."""
+    """Seconds per forward + backward (``inference``: per forward under ``torch.inference_mode``), the mean of
+    ``steps`` steps (CUDA synchronised before and after)."""
     device = images.device.type
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with (
+            torch.inference_mode(inference),
+            torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16"),
+        ):
             out = model(images, **inputs)
-        out.float().square().mean().backward()
-        model.zero_grad(set_to_none=True)
+        if not inference:
+            out.float().square().mean().backward()
+            model.zero_grad(set_to_none=True)
     if device == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - start) / steps
 
 
 def profile_step(
-    model: torch.nn.Module, images: torch.Tensor, precision: str = "fp32", steps: int = 2, **inputs: torch.Tensor
+    model: torch.nn.Module,
+    images: torch.Tensor,
+    precision: str = "fp32",
+    steps: int = 2,
+    inference: bool = False,
+    **inputs: torch.Tensor,
 ) -> tuple[float, float]:
-    """(kernels launched, device milliseconds) per training step, from ``torch.profiler`` over ``steps`` steps.
+    """(kernels launched, device milliseconds) per step (training, or ``inference``: a forward), from
+    ``torch.profiler`` over ``steps`` steps.
 
     On CUDA: CUDA kernels and their GPU time, so that time the GPU sits idle waiting for the CPU to launch kernels
     shows as the gap to the measured step time. On CPU: aten operator calls (nested calls included) and their self
@@ -99,7 +120,7 @@ def profile_step(
     cuda = images.device.type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
-        step_time(model, images, precision, steps, **inputs)
+        step_time(model, images, precision, steps, inference, **inputs)
     if cuda:
         events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = sum(e.self_device_time_total for e in events)
@@ -124,12 +145,12 @@ def fusable_rotary_schemes() -> list[str]:
     return names
 
 
-def previous_rows(out: Path) -> tuple[list[list], str]:
-    """The rows of ``out/throughput.csv`` (model, images/s, ratio) and the first line of ``out/throughput.md`` (when
-    and how they were measured), for ``--update``; exits when either file is missing or has profile columns."""
-    csv_path, md_path = out / "throughput.csv", out / "throughput.md"
+def previous_rows(out: Path, name: str = "throughput") -> tuple[list[list], str]:
+    """The rows of ``out/<name>.csv`` (model, images/s, ratio) and the first line of ``out/<name>.md`` (when and how
+    they were measured), for ``--update``; exits when either file is missing or has profile columns."""
+    csv_path, md_path = out / f"{name}.csv", out / f"{name}.md"
     if not csv_path.is_file() or not md_path.is_file():
-        sys.exit(f"--update needs a previous throughput.csv and throughput.md in {out}")
+        sys.exit(f"--update needs a previous {name}.csv and {name}.md in {out}")
     with open(csv_path, newline="") as f:
         table = list(csv.reader(f))
     if len(table[0]) != 3:
@@ -181,14 +202,21 @@ def main() -> None:
         "each with its ratio against its own run's baseline",
     )
     parser.add_argument(
+        "--inference",
+        action="store_true",
+        help="time forward passes of models in eval mode under torch.inference_mode instead of training steps "
+        "(writes throughput_inference.md and .csv)",
+    )
+    parser.add_argument(
         "--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of throughput.md and .csv (default {DEFAULT_OUT})"
     )
     args = parser.parse_args()
+    results_name = "throughput_inference" if args.inference else "throughput"
     if not 0 <= args.patch_drop < 1:
         parser.error(f"--patch-drop must be in [0, 1), got {args.patch_drop}")
     if args.update and (not args.schemes or args.profile):
         parser.error("--update re-measures the schemes named by --schemes (at least one), without --profile")
-    previous = previous_rows(Path(args.out)) if args.update else None
+    previous = previous_rows(Path(args.out), results_name) if args.update else None
     if args.malloc == "retain":
         retain_heap()
     if args.threads:
@@ -263,19 +291,21 @@ def main() -> None:
             )
         )
     for label, model in models.items():
-        model.to(args.device).train()
+        model.to(args.device).train(not args.inference)
         for _ in range(max(args.warmup, label in compiled)):
-            step_time(model, images, args.precision, **inputs.get(label, {}))
+            step_time(model, images, args.precision, 1, args.inference, **inputs.get(label, {}))
 
     times: dict[str, list[float]] = {label: [] for label in models}
     for _ in range(args.rounds):
         for label, model in models.items():
-            times[label].append(step_time(model, images, args.precision, args.steps, **inputs.get(label, {})))
+            extra = inputs.get(label, {})
+            times[label].append(step_time(model, images, args.precision, args.steps, args.inference, **extra))
 
     base = statistics.median(next(iter(times.values())))
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{torch.get_num_threads()} threads"
+    passes = "forward (inference)" if args.inference else "fwd+bwd"
     settings = (
-        f"{args.precision}, batch {args.batch}, {args.size}px, fwd+bwd, median of {args.rounds} interleaved rounds "
+        f"{args.precision}, batch {args.batch}, {args.size}px, {passes}, median of {args.rounds} interleaved rounds "
         f"of {args.steps} step(s), {args.malloc} malloc, patch dropout {args.patch_drop}"
     )
     print(f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {where}, {settings}")
@@ -289,7 +319,8 @@ def main() -> None:
         rows.append([label, args.batch / t, base / t])
         row = f"| {label} | {args.batch / t:.1f} | {base / t:.3f}x |"
         if args.profile:
-            count, busy = profile_step(models[label], images, args.precision, **inputs.get(label, {}))
+            extra = inputs.get(label, {})
+            count, busy = profile_step(models[label], images, args.precision, 2, args.inference, **extra)
             rows[-1] += [count, busy]
             row += f" {count:.0f} | {busy:.1f} |"
         print(row, flush=True)
@@ -300,7 +331,8 @@ def main() -> None:
     columns += [f"{unit} per step", "device ms per step"] if args.profile else []
     formats = {"images/s": ".1f", "ratio to timm ViT-S": ".3f", f"{unit} per step": ".0f", "device ms per step": ".1f"}
     threads = "" if args.device.startswith("cuda") else f", {torch.get_num_threads()} threads"
-    notes = f"ViT-S/16 training step, {settings}{threads}; ratio = images/s of the model / images/s of the baseline."
+    step = "inference forward (eval mode)" if args.inference else "training step"
+    notes = f"ViT-S/16 {step}, {settings}{threads}; ratio = images/s of the model / images/s of the baseline."
     if previous is not None:
         measured_rows = ", ".join(list(models)[1:])  # every row of this run but the baseline
         notes += (
@@ -308,7 +340,7 @@ def main() -> None:
             f"rows (ratios against that run's baseline) are from the previous table: {previous[1]}"
         )
     paths = write_results(
-        "throughput", rows, columns, out_dir=args.out, notes=notes, device=args.device, formats=formats
+        results_name, rows, columns, out_dir=args.out, notes=notes, device=args.device, formats=formats
     )
     print("wrote " + ", ".join(str(p) for p in paths))
 

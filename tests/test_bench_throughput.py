@@ -149,3 +149,21 @@ def test_fused_rotary_adds_compiled_rows(bench, monkeypatch, capsys, tmp_path):
     with pytest.raises(SystemExit):
         bench.main()
     assert "--fused-rotary takes rotary schemes with cos/sin tables" in capsys.readouterr().err
+
+
+def test_inference_times_forward_passes_in_eval_mode(bench, monkeypatch, tmp_path):
+    model = timm.create_model("visionpe_vit_small_patch16_224", pos_embed="alibi2d", img_size=32, depth=1)
+    modes = []
+    model.blocks[0].register_forward_hook(lambda m, i, o: modes.append((m.training, torch.is_inference_mode_enabled())))
+    model.eval()
+    assert bench.step_time(model, torch.randn(2, 3, 32, 32), steps=2, inference=True) > 0
+    assert modes == [(False, True)] * 2 and all(p.grad is None for p in model.parameters())
+
+    args = "--schemes alibi2d --inference --rounds 1 --warmup 0 --batch 1 --size 32"
+    monkeypatch.setattr("sys.argv", ["bench/throughput.py", *args.split(), "--out", str(tmp_path)])
+    bench.main()
+    md = (tmp_path / "throughput_inference.md").read_text()
+    assert "ViT-S/16 inference forward (eval mode), fp32, batch 1, 32px, forward (inference)" in md
+    assert not (tmp_path / "throughput.md").exists()
+    with open(tmp_path / "throughput_inference.csv", newline="") as f:
+        assert [row[0] for row in csv.reader(f)][-1] == "alibi2d"
