@@ -502,17 +502,16 @@ def _train_and_evaluate_one(
         previous = _read_rows(evaluated) if reused and evaluated.is_file() else []
         have = {(r["kind"], r["size"], r["mode"]): r for r in previous if r["n"] == datamodule.eval_samples}
         loaded = len(wanted & have.keys())
+        modes = settings["extrapolation"]
         if loaded == len(wanted):
             line += ", evaluation loaded"
         else:
             started = time.perf_counter()
-            modes = settings["extrapolation"]
             new = evaluate(model, datamodule, task, label, seed, kinds, sizes, modes, device, skip=set(have))
             have.update({(r["kind"], r["size"], r["mode"]): r for r in new})
             _write_rows(evaluated, list(have.values()))
             line += f", {len(new)} sets evaluated in {_format_seconds(time.perf_counter() - started)}"
             line += f" ({loaded} loaded)" if loaded else ""
-        modes = settings["extrapolation"]
         found = [have[(k, s, m)] for k in kinds for s in sizes for m in modes if (k, s, m) in wanted]
         for row in found:
             row["model"] = label
