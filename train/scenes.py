@@ -49,7 +49,7 @@ import yaml
 
 import visionpe
 from experiments.cli import run_cli
-from experiments.scenes import KINDS, TASKS, check_task
+from experiments.scenes import KINDS, TASKS, check_task, row_blind_count_accuracy
 from experiments.sweep import (
     FINAL_CHECKPOINT,
     REFERENCE_MODELS,
@@ -264,7 +264,7 @@ def check_arguments(config: str | Path, settings: dict, tasks: Sequence[str], ki
     for mode in settings["extrapolation"]:
         if not any(accepts_extrapolation(model.model, mode) for _, model in models):
             raise ValueError(f"extrapolation mode {mode!r} is accepted by none of {[label for label, _ in models]}")
-    return {"runs": runs, "sizes": sizes, "img_size": first.img_size}
+    return {"runs": runs, "sizes": sizes, "img_size": first.img_size, "density": first.density}
 
 
 def _read_rows(path: Path) -> list[dict]:
@@ -362,7 +362,26 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
     return columns, body
 
 
-def markdown(rows: list[dict], title: str, img_size: int) -> str:
+def count_bound_note(rows: list[dict], density: float) -> str | None:
+    """The row-blind bound of ``count`` at the sizes of ``rows`` (None without ``count`` rows): chance is 25 %, but a
+    model that counts the grey objects of the whole image does better (:func:`row_blind_count_accuracy`)."""
+    rows = [r for r in rows if r["task"] == "count"]
+    if not rows:
+        return None
+    parts = []
+    for kind in _ordered(rows, "kind"):
+        scales = sorted({r["scale"] for r in rows if r["kind"] == kind})
+        values = [100 * row_blind_count_accuracy(s if kind == "canvas" else 1.0, density) for s in scales]
+        parts.append(
+            f"{kind} " + ", ".join(f"{v:.1f}" for v in values) + f" % at {', '.join(f'{s:g}x' for s in scales)}"
+        )
+    return (
+        "`count`: a model blind to rows can guess from the number of grey objects in the whole image; the best such "
+        "guess scores " + "; ".join(parts) + " (dashed grey in the plot)."
+    )
+
+
+def markdown(rows: list[dict], title: str, img_size: int, density: float) -> str:
     seeds = sorted({int(r["seed"]) for r in rows})
     over = f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
     samples = sorted({int(r["n"]) for r in rows})
@@ -373,6 +392,9 @@ def markdown(rows: list[dict], title: str, img_size: int) -> str:
         f"test side in units of the training side ({img_size} px). Chance: 25 %. `[mode]`: the same weights "
         "evaluated with that extrapolation mode.",
     ]
+    note = count_bound_note(rows, density)
+    if note:
+        lines += ["", note]
     columns, body = table_rows(rows)
     for task in _ordered(rows, "task"):
         for kind in _ordered(rows, "kind"):
@@ -382,9 +404,9 @@ def markdown(rows: list[dict], title: str, img_size: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def plot(rows: list[dict], path: Path, title: str, density: float) -> None:
     """One panel per task (rows) and kind (columns): accuracy against scale, a colour per model, a line style per
-    mode, error bars (std over seeds), chance as a dotted line."""
+    mode, error bars (std over seeds), chance as a dotted line; on ``count`` panels the row-blind bound dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -415,6 +437,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                         linewidth=1.2,
                     )
             ax.axhline(25.0, color="grey", linestyle=":", linewidth=0.8)
+            if task == "count":
+                scales = sorted({r["scale"] for r in rows if r["task"] == task and r["kind"] == kind})
+                bound = [100 * row_blind_count_accuracy(x if kind == "canvas" else 1.0, density) for x in scales]
+                ax.plot(scales, bound, color="grey", linestyle="--", linewidth=0.9)
             ax.set_title(f"{task}, {kind}", fontsize=10)
             ax.set_xlabel("test side / training side")
             ax.set_ylabel("top-1 accuracy (%)")
@@ -422,6 +448,9 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             ax.grid(alpha=0.3)
     handles = [plt.Line2D([], [], color=colours[m], marker="o", label=m) for m in models]
     handles += [plt.Line2D([], [], color="black", linestyle=styles.get(m, "-"), label=f"mode: {m}") for m in modes]
+    handles.append(plt.Line2D([], [], color="grey", linestyle=":", label="chance"))
+    if "count" in tasks:
+        handles.append(plt.Line2D([], [], color="grey", linestyle="--", label="count: whole-image guess"))
     fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
@@ -429,16 +458,16 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def write_report(rows: list[dict], out: Path, title: str, img_size: int) -> dict[str, Path]:
+def write_report(rows: list[dict], out: Path, title: str, img_size: int, density: float) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"md": out / "results.md", "csv": out / "results.csv", "png": out / "results.png"}
     _write_rows(paths["csv"], rows)
-    paths["md"].write_text(markdown(rows, title, img_size))
-    plot(rows, paths["png"], title)
+    paths["md"].write_text(markdown(rows, title, img_size, density))
+    plot(rows, paths["png"], title, density)
     return paths
 
 
-def write_results_table(paths, rows, config, out_dir, name, command, img_size) -> tuple[Path, Path, Path]:
+def write_results_table(paths, rows, config, out_dir, name, command, img_size, density) -> tuple[Path, Path, Path]:
     """The table as ``<out_dir>/<name>.md`` and ``.csv`` through the benchmarks' shared writer (headed by the date,
     commit, versions, device and command), and the plot as ``<name>.png``. Every option of this script is a store
     action, so the command is recorded with each option where it is given last (a wrapper's default given again by
@@ -457,6 +486,9 @@ def write_results_table(paths, rows, config, out_dir, name, command, img_size) -
         "task, kind, size and seed.",
         "`[mode]`: the same weights evaluated with that extrapolation mode (`pi`: position interpolation).",
     ]
+    note = count_bound_note(rows, density)
+    if note:
+        notes.append(note)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     md, csv_path = write_results(
         name, body, columns, out_dir=out_dir, command=last_options(command), notes=notes, device=device
@@ -528,8 +560,9 @@ def run(
     verbose: bool = False,
     jobs: int = 1,
     threads: int | None = None,
-) -> tuple[dict[str, Path], list[dict], int]:
-    """Train and evaluate every (task, model, seed); write the report under ``settings["out"]``.
+) -> tuple[dict[str, Path], list[dict], dict]:
+    """Train and evaluate every (task, model, seed); write the report under ``settings["out"]``. Returns the
+    report's paths, the rows and the checked settings (``img_size``, ``density``, ``sizes``, ``runs``).
 
     ``jobs`` > 1 trains that many runs at once, each in a process of its own with ``threads`` torch threads
     (default: the cores divided by ``jobs``); the rows and the report are the same as with ``jobs=1``, in the same
@@ -579,13 +612,13 @@ def run(
                 raise
     rows = [row for index in range(len(todo)) for row in found[index]]
     title = "Scenes benchmark: extrapolation where position matters"
-    return write_report(rows, out, title, checked["img_size"]), rows, checked["img_size"]
+    return write_report(rows, out, title, checked["img_size"], checked["density"]), rows, checked
 
 
 def main(argv: list[str] | None = None) -> dict[str, Path]:
     args = parse_args(argv)
     settings = _settings(args)
-    paths, rows, img_size = run(
+    paths, rows, checked = run(
         args.config, settings, args.tasks, args.kinds, args.reuse, args.verbose, args.jobs, args.threads
     )
     print("\n" + paths["md"].read_text())
@@ -594,7 +627,7 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     if args.results is not None:
         command = sys.argv if argv is None else [__file__, *argv]
         md, csv_path, png = write_results_table(
-            paths, rows, args.config, args.results, args.results_name, command, img_size
+            paths, rows, args.config, args.results, args.results_name, command, checked["img_size"], checked["density"]
         )
         paths.update(results_md=md, results_csv=csv_path, results_png=png)
         where += [("results table", md), ("results CSV", csv_path), ("results plot", png)]

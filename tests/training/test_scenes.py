@@ -19,6 +19,7 @@ from experiments.scenes import (
     Scenes,
     ScenesDataModule,
     render,
+    row_blind_count_accuracy,
     sample_scenes,
     scene_batch,
     scene_labels,
@@ -116,6 +117,30 @@ def test_labels_are_read_off_the_descriptions(field):
     assert scene_labels(pair, "relative").item() == 1  # A right of B
     pair.role[0, 3, 0] = 0  # now a grey distractor in the target's row
     assert scene_labels(pair, "count").item() == 1 and scene_labels(pair, "region").item() == 3
+
+
+@pytest.mark.parametrize("field", [1.0, 2.0])
+def test_the_row_blind_count_bound_is_what_the_scenes_allow(field):
+    # Guess the count from the number of grey objects in the whole image, the best a model blind to rows can do:
+    # on 40,000 generated scenes the best guess per total (the commonest label among scenes with that total) scores
+    # the computed bound, within sampling error (its standard error is about 0.25 points here).
+    scenes, labels = sample_scenes("count", 40_000, _generator(5), field=field)
+    total = (scenes.occupied & (scenes.role == 0)).flatten(1).sum(1)
+    joint = torch.zeros(int(total.max()) + 1, 4)
+    joint.index_put_((total, labels), torch.ones(len(labels)), accumulate=True)
+    empirical = float(joint.amax(1).sum() / len(labels))
+    assert empirical == pytest.approx(row_blind_count_accuracy(field), abs=0.012)
+    assert row_blind_count_accuracy(field) > 0.25 + 0.05  # well above chance: the total tells something
+
+
+def test_the_row_blind_count_bound_falls_towards_chance_on_a_canvas():
+    bounds = [row_blind_count_accuracy(k) for k in (1.0, 1.5, 2.0, 3.0, 4.0)]
+    assert bounds == sorted(bounds, reverse=True) and 0.25 < bounds[-1] < bounds[0] < 0.5
+    assert row_blind_count_accuracy(1.0, density=0.0) == 1.0  # nothing outside the row: the total is the label
+    with pytest.raises(ValueError, match="density must be a float in"):
+        row_blind_count_accuracy(1.0, density=1.5)
+    with pytest.raises(ValueError, match="field must be a multiple of 1/4 unit"):
+        row_blind_count_accuracy(1.1)
 
 
 def test_batches_are_determined_by_the_seed():
@@ -262,6 +287,9 @@ def test_quick_mode_end_to_end(tmp_path, monkeypatch):
     assert {float(r["scale"]) for r in rows} == {1.0, 2.0} and {int(r["size"]) for r in rows} == {32, 64}
     assert all(float(r["acc"]) == 25.0 for r in rows if r["model"] == "none" and r["task"] == "region")
     assert paths["png"].stat().st_size > 10_000 and "## region, canvas" in paths["md"].read_text()
+    assert "the best such guess scores zoom 43.0, 43.0 % at 1x, 2x; canvas 43.0, 33.6 % at 1x, 2x" in (
+        paths["md"].read_text()
+    )
 
     # --reuse: nothing is trained or evaluated again; --results writes the documented files with their header
     monkeypatch.setattr(lightning.pytorch.Trainer, "fit", lambda *a, **k: pytest.fail("trained again"))
