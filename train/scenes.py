@@ -362,6 +362,13 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
     return columns, body
 
 
+def count_bounds(rows: list[dict], kind: str, density: float) -> tuple[list[float], list[float]]:
+    """The scales of the ``count`` rows of ``kind`` and the row-blind bound at each (%): a zoomed image is the
+    training field, a canvas at scale k a field of k units (:func:`row_blind_count_accuracy`)."""
+    scales = sorted({r["scale"] for r in rows if r["task"] == "count" and r["kind"] == kind})
+    return scales, [100 * row_blind_count_accuracy(s if kind == "canvas" else 1.0, density) for s in scales]
+
+
 def count_bound_note(rows: list[dict], density: float) -> str | None:
     """The row-blind bound of ``count`` at the sizes of ``rows`` (None without ``count`` rows): chance is 25 %, but a
     model that counts the grey objects of the whole image does better (:func:`row_blind_count_accuracy`)."""
@@ -370,8 +377,7 @@ def count_bound_note(rows: list[dict], density: float) -> str | None:
         return None
     parts = []
     for kind in _ordered(rows, "kind"):
-        scales = sorted({r["scale"] for r in rows if r["kind"] == kind})
-        values = [100 * row_blind_count_accuracy(s if kind == "canvas" else 1.0, density) for s in scales]
+        scales, values = count_bounds(rows, kind, density)
         parts.append(
             f"{kind} " + ", ".join(f"{v:.1f}" for v in values) + f" % at {', '.join(f'{s:g}x' for s in scales)}"
         )
@@ -438,9 +444,7 @@ def plot(rows: list[dict], path: Path, title: str, density: float) -> None:
                     )
             ax.axhline(25.0, color="grey", linestyle=":", linewidth=0.8)
             if task == "count":
-                scales = sorted({r["scale"] for r in rows if r["task"] == task and r["kind"] == kind})
-                bound = [100 * row_blind_count_accuracy(x if kind == "canvas" else 1.0, density) for x in scales]
-                ax.plot(scales, bound, color="grey", linestyle="--", linewidth=0.9)
+                ax.plot(*count_bounds(rows, kind, density), color="grey", linestyle="--", linewidth=0.9)
             ax.set_title(f"{task}, {kind}", fontsize=10)
             ax.set_xlabel("test side / training side")
             ax.set_ylabel("top-1 accuracy (%)")

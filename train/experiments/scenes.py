@@ -178,6 +178,11 @@ def _cells_for(field: float) -> int:
     return cells
 
 
+def _check_density(density: object) -> None:
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 <= density <= 1.0:
+        raise ValueError(f"density must be a float in [0, 1], got {density!r}")
+
+
 def _distinct_pair(n: int, high: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Two distinct uniform integers in [0, high) per row, as (smaller, larger)."""
     a = torch.randint(high, (n,), generator=generator)
@@ -203,8 +208,7 @@ def sample_scenes(
     """
     check_task(task)
     n = _check_int("n", n)
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 <= density <= 1.0:
-        raise ValueError(f"density must be a float in [0, 1], got {density!r}")
+    _check_density(density)
     g = _cells_for(field)
     if g < 2:
         raise ValueError(f"field must span at least 2 cells ({2 / CELLS} units), got {field}")
@@ -271,8 +275,7 @@ def row_blind_count_accuracy(field: float = 1.0, density: float = 0.3) -> float:
         (43.0, 29.2)
     """
     cells = _cells_for(field)
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 <= density <= 1.0:
-        raise ValueError(f"density must be a float in [0, 1], got {density!r}")
+    _check_density(density)
     classes, others = min(NUM_CLASSES, cells), cells * (cells - 1)
     if density in (0.0, 1.0):  # the other cells' count is known: the total gives the label away
         return 1.0
