@@ -21,15 +21,16 @@ Output: a progress bar and a line (wall time, accuracy at the training size) per
 ``<out>/results.md``, ``results.csv`` (one row per model, seed and size) and ``results.png``, and per run
 ``<out>/<model>/seed<k>/`` with ``final.ckpt`` and the CSV and TensorBoard logs. ``--results DIR`` also writes the
 table as ``DIR/<name>.md`` and ``DIR/<name>.csv`` (name: ``--results-name``, default the config's), headed by the
-date, commit, versions, device and command, as the other benchmarks write theirs (``bench/results.py``); the
-documentation's table is ``--results docs/benchmarks/results``. ``--verbose`` keeps Lightning's messages and model
-summaries. Importable: ``from extrapolate import main``.
+date, commit, versions, device and command, as the other benchmarks write theirs (``bench/results.py``), and the
+plot as ``DIR/<name>.png``; the documentation's table and plot are ``--results docs/benchmarks/results``.
+``--verbose`` keeps Lightning's messages and model summaries. Importable: ``from extrapolate import main``.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import shutil
 import sys
 from pathlib import Path
 
@@ -105,8 +106,14 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     if args.results is not None:
         name = args.results_name or Path(args.config).stem
         command = sys.argv if argv is None else [__file__, *argv]
-        paths["results_md"], paths["results_csv"] = write_results_table(paths, args, name, command)
-        where += [("results table", paths["results_md"]), ("results CSV", paths["results_csv"])]
+        paths["results_md"], paths["results_csv"], paths["results_png"] = write_results_table(
+            paths, args, name, command
+        )
+        where += [
+            ("results table", paths["results_md"]),
+            ("results CSV", paths["results_csv"]),
+            ("results plot", paths["results_png"]),
+        ]
     width = max(len(label) for label, _ in where)
     print("\n".join(f"{label + ':':<{width + 1}} {path}" for label, path in where))
     return paths
@@ -114,10 +121,10 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
 
 def write_results_table(
     paths: dict[str, Path], args: argparse.Namespace, name: str, command: list[str] | None = None
-) -> tuple[Path, Path]:
+) -> tuple[Path, Path, Path]:
     """The sweep's table (mean ± std over seeds, a row per model) as ``<args.results>/<name>.md`` and ``.csv``,
-    through the benchmarks' shared writer: first line the date, commit, torch/timm versions, device and
-    ``command`` (the argv; default ``sys.argv``)."""
+    through the benchmarks' shared writer (first line the date, commit, torch/timm versions, device and
+    ``command``, the argv; default ``sys.argv``), and its plot as ``<name>.png`` beside them."""
     import torch
 
     sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repository, next to train/
@@ -138,7 +145,12 @@ def write_results_table(
             "`[mode]`: the same weights evaluated with that extrapolation mode (`pi`: position interpolation)."
         )
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return write_results(name, table, columns, out_dir=args.results, command=command, notes=notes, device=device)
+    md, csv_path = write_results(
+        name, table, columns, out_dir=args.results, command=command, notes=notes, device=device
+    )
+    png = Path(args.results) / f"{name}.png"
+    shutil.copyfile(paths["png"], png)
+    return md, csv_path, png
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ def test_sweep_writes_table_csv_and_plot(tmp_path, monkeypatch):
     assert list(csv.DictReader(again["csv"].open())) == rows
     # --results: the same table for the documentation, headed by when, where and how it was measured
     assert again["results_md"] == tmp_path / "docs" / "digits.md" and again["results_csv"].name == "digits.csv"
+    assert again["results_png"].read_bytes() == again["png"].read_bytes()  # the plot beside the table
     first, *rest = again["results_md"].read_text().splitlines()
     assert first.startswith("Measured ") and "torch " in first and "timm " in first
     assert "command: `python train/extrapolate.py --config configs/demo/digits.yaml --schemes rope_axial" in first
