@@ -471,6 +471,26 @@ def write_report(rows: list[dict], out: Path, title: str, img_size: int, density
     return paths
 
 
+def table_notes(rows: list[dict], config: str | Path, img_size: int, density: float) -> list[str]:
+    """The lines under the results table's header: what the numbers are, what ``[mode]`` means (only when a row was
+    evaluated with a mode other than ``none``) and, with ``count`` rows, the row-blind bound of that task."""
+    seeds = sorted({int(r["seed"]) for r in rows})
+    over = f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    notes = [
+        f"Top-1 accuracy (%), {over}; config `{Path(config).as_posix()}`; columns: test side in units of the training "
+        f"side ({img_size} px); chance 25 %; {'/'.join(str(n) for n in sorted({r['n'] for r in rows}))} scenes per "
+        "task, kind, size and seed."
+    ]
+    if any(r["mode"] != "none" for r in rows):
+        notes.append(
+            "`[mode]`: the same weights evaluated with that extrapolation mode (`pi`: position interpolation)."
+        )
+    note = count_bound_note(rows, density)
+    if note:
+        notes.append(note)
+    return notes
+
+
 def write_results_table(paths, rows, config, out_dir, name, command, img_size, density) -> tuple[Path, Path, Path]:
     """The table as ``<out_dir>/<name>.md`` and ``.csv`` through the benchmarks' shared writer (headed by the date,
     commit, versions, device and command), and the plot as ``<name>.png``. Every option of this script is a store
@@ -482,17 +502,7 @@ def write_results_table(paths, rows, config, out_dir, name, command, img_size, d
     finally:
         sys.path.remove(str(ROOT))
     columns, body = table_rows(rows)
-    seeds = sorted({int(r["seed"]) for r in rows})
-    over = f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
-    notes = [
-        f"Top-1 accuracy (%), {over}; config `{Path(config).as_posix()}`; columns: test side in units of the training "
-        f"side ({img_size} px); chance 25 %; {'/'.join(str(n) for n in sorted({r['n'] for r in rows}))} scenes per "
-        "task, kind, size and seed.",
-        "`[mode]`: the same weights evaluated with that extrapolation mode (`pi`: position interpolation).",
-    ]
-    note = count_bound_note(rows, density)
-    if note:
-        notes.append(note)
+    notes = table_notes(rows, config, img_size, density)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     md, csv_path = write_results(
         name, body, columns, out_dir=out_dir, command=last_options(command), notes=notes, device=device

@@ -299,6 +299,9 @@ def test_quick_mode_end_to_end(tmp_path, monkeypatch):
     first = again["results_md"].read_text().splitlines()[0]
     assert first.startswith("Measured ") and "command: `python train/scenes.py --config" in first
     assert again["results_png"].name == "scenes.png" and again["results_csv"].name == "scenes.csv"
+    assert "`[mode]`: the same weights" in again["results_md"].read_text()  # the ntk rows
+    unscaled = [r for r in rows if r["mode"] == "none" and r["task"] != "count"]  # as read back: strings
+    assert not any(line.startswith("`[mode]`") for line in script.table_notes(unscaled, CONFIG, 32, 0.3))
 
     # --reuse with one more size: only the sets at that size are evaluated, the others are loaded unchanged
     monkeypatch.undo()
