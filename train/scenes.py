@@ -387,16 +387,25 @@ def count_bound_note(rows: list[dict], density: float) -> str | None:
     )
 
 
-def markdown(rows: list[dict], title: str, img_size: int, density: float) -> str:
+def _over_seeds(rows: list[dict]) -> str:
+    """How the rows are summarised: "mean ± std over seeds 0, 1, 2", or "seed k" for a single seed."""
     seeds = sorted({int(r["seed"]) for r in rows})
-    over = f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    return f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
+
+
+def _uses_modes(rows: list[dict]) -> bool:
+    """Whether a row was evaluated with an extrapolation mode other than ``none`` (a ``[mode]`` row in the table)."""
+    return any(r["mode"] != "none" for r in rows)
+
+
+def markdown(rows: list[dict], title: str, img_size: int, density: float) -> str:
     samples = sorted({int(r["n"]) for r in rows})
+    legend = " `[mode]`: the same weights evaluated with that extrapolation mode." if _uses_modes(rows) else ""
     lines = [
         f"# {title}",
         "",
-        f"Top-1 accuracy (%), {over}, on {'/'.join(map(str, samples))} scenes per task, kind, size and seed; columns: "
-        f"test side in units of the training side ({img_size} px). Chance: 25 %. `[mode]`: the same weights "
-        "evaluated with that extrapolation mode.",
+        f"Top-1 accuracy (%), {_over_seeds(rows)}, on {'/'.join(map(str, samples))} scenes per task, kind, size and "
+        f"seed; columns: test side in units of the training side ({img_size} px). Chance: 25 %.{legend}",
     ]
     note = count_bound_note(rows, density)
     if note:
@@ -474,14 +483,12 @@ def write_report(rows: list[dict], out: Path, title: str, img_size: int, density
 def table_notes(rows: list[dict], config: str | Path, img_size: int, density: float) -> list[str]:
     """The lines under the results table's header: what the numbers are, what ``[mode]`` means (only when a row was
     evaluated with a mode other than ``none``) and, with ``count`` rows, the row-blind bound of that task."""
-    seeds = sorted({int(r["seed"]) for r in rows})
-    over = f"mean ± std over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
     notes = [
-        f"Top-1 accuracy (%), {over}; config `{Path(config).as_posix()}`; columns: test side in units of the training "
-        f"side ({img_size} px); chance 25 %; {'/'.join(str(n) for n in sorted({r['n'] for r in rows}))} scenes per "
-        "task, kind, size and seed."
+        f"Top-1 accuracy (%), {_over_seeds(rows)}; config `{Path(config).as_posix()}`; columns: test side in units of "
+        f"the training side ({img_size} px); chance 25 %; {'/'.join(str(n) for n in sorted({r['n'] for r in rows}))} "
+        "scenes per task, kind, size and seed."
     ]
-    if any(r["mode"] != "none" for r in rows):
+    if _uses_modes(rows):
         notes.append(
             "`[mode]`: the same weights evaluated with that extrapolation mode (`pi`: position interpolation)."
         )

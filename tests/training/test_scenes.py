@@ -302,6 +302,7 @@ def test_quick_mode_end_to_end(tmp_path, monkeypatch):
     assert "`[mode]`: the same weights" in again["results_md"].read_text()  # the ntk rows
     unscaled = [r for r in rows if r["mode"] == "none" and r["task"] != "count"]  # as read back: strings
     assert not any(line.startswith("`[mode]`") for line in script.table_notes(unscaled, CONFIG, 32, 0.3))
+    assert "`[mode]`" in paths["md"].read_text() and "`[mode]`" not in script.markdown(unscaled, "t", 32, 0.3)
 
     # --reuse with one more size: only the sets at that size are evaluated, the others are loaded unchanged
     monkeypatch.undo()
