@@ -283,7 +283,7 @@ def parse_layout(
             binary = True
         elif attention_mask.is_floating_point() or attention_mask.is_complex():
             binary = not ((attention_mask != 0) & (attention_mask != 1)).any()  # NaN included
-        else:  # integers: one reduction tells 0/1 apart from anything else
+        else:  # integers: their minimum and maximum tell 0/1 apart from anything else
             binary = int(attention_mask.min()) >= 0 and int(attention_mask.max()) <= 1
         if not binary:
             not_binary = (attention_mask != 0) & (attention_mask != 1)
