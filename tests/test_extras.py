@@ -1,9 +1,11 @@
 """The core needs torch and timm only: ``import visionpe`` imports no optional dependency, and the modules that need
-one fail on import with an ImportError that names the extra to install.
+one fail on import with an ImportError that says how to install the extra from a clone (``pip install -e ".[x]"``:
+visionpe is not on PyPI).
 
 Each check runs in a fresh interpreter; "missing" extras are simulated by an import hook that refuses their modules.
 """
 
+import builtins
 import subprocess
 import sys
 import textwrap
@@ -56,6 +58,27 @@ def test_import_visionpe_imports_no_extra():
     assert result.stdout.strip() == "[]"
 
 
+def test_import_visionpe_makes_every_name_of_all_available():
+    # a plain `import visionpe` gives every subpackage __all__ lists, e.g. visionpe.multimodal.get_position_ids (a
+    # fresh interpreter: in this one another test may have imported them already), with no extra installed
+    result = run_python(
+        """
+        import visionpe
+
+        missing = [name for name in visionpe.__all__ if not hasattr(visionpe, name)]
+        assert not missing, missing
+        import torch
+
+        # text, a 2x2 image, text: the image's rows (t, h, w) start after the text, the text continues after it
+        types = torch.tensor([[0, 1, 1, 1, 1, 0]])
+        ids, _ = visionpe.multimodal.get_position_ids("mrope", types, torch.tensor([[1, 2, 2]]), spatial_merge_size=1)
+        print(ids[:, 0].tolist())
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[[0, 1, 1, 1, 1, 3], [0, 1, 1, 2, 2, 3], [0, 1, 2, 1, 2, 3]]"
+
+
 def test_core_works_without_any_extra():
     result = run_python(
         """
@@ -96,4 +119,20 @@ def test_a_feature_without_its_extra_names_it(module, extra):
         """
     )
     assert result.returncode == 0, result.stderr
-    assert f'pip install "visionpe[{extra}]"' in result.stdout, result.stdout
+    assert f'"{extra}" extra' in result.stdout and f'pip install -e ".[{extra}]"' in result.stdout, result.stdout
+
+
+def test_plots_without_matplotlib_say_how_to_install_it(monkeypatch):
+    # the training extra is installed here; matplotlib alone goes missing (its import is deferred to the first plot)
+    from visionpe.training import evaluate
+
+    real_import = builtins.__import__
+
+    def without_matplotlib(name, *args, **kwargs):
+        if name.partition(".")[0] == "matplotlib":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_matplotlib)
+    with pytest.raises(ImportError, match=r'"train" extra; from a clone of visionpe: pip install -e "\.\[train\]"'):
+        evaluate._matplotlib()

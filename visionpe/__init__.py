@@ -1,9 +1,11 @@
 """visionpe: position encodings for vision and vision-language transformers.
 
-``import visionpe`` registers ``visionpe_vit_{tiny,small,base,large}_patch16_224`` with timm.
+``import visionpe`` registers ``visionpe_vit_{tiny,small,base,large}_patch16_224`` with timm and makes the
+subpackages of ``__all__`` available (``visionpe.multimodal.get_position_ids`` after a plain ``import visionpe``);
+like the rest of the core they need torch and timm only.
 """
 
-from . import absolute, bias, camera, grid, rotary  # noqa: F401  (importing them registers every scheme)
+from . import absolute, bias, camera, grid, multimodal, rotary  # noqa: F401  (importing them registers every scheme)
 from .attention import PosAttention, PosBlock, PositionContext, set_attention_backend, set_rotary_backend
 from .base import AbsolutePositionEncoding, BiasPositionEncoding, PositionEncoding, RotaryPositionEncoding
 from .bias.irpe import irpe_piecewise_index
