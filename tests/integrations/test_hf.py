@@ -403,7 +403,7 @@ def test_import_without_transformers():
         "try:\n"
         "    import visionpe.integrations.hf\n"
         "except ImportError as err:\n"
-        "    assert 'pip install \"visionpe[vlm]\"' in str(err), err\n"
+        "    assert 'pip install -e \".[vlm]\"' in str(err), err\n"
         "    print('ok')\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -7,8 +7,8 @@ open_clip (Ilharco et al., 2021) builds timm towers by name from a model config 
 that names it, so that ``open_clip.create_model(name)`` returns the CLIP model. The tower is created with
 ``dynamic_img_size=True``: it also runs at resolutions other than the training one.
 
-Needs the ``clip`` extra (``pip install "visionpe[clip]"``, open_clip_torch); importing this module without it raises
-an ImportError that says so. ``import visionpe`` never imports it.
+Needs the ``clip`` extra (from a clone: ``pip install -e ".[clip]"``, open_clip_torch); importing this module without
+it raises an ImportError that says so. ``import visionpe`` never imports it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ try:
     import open_clip  # noqa: F401  (used by the functions below)
 except ImportError as err:
     raise ImportError(
-        'visionpe.integrations.open_clip needs the "clip" extra (open_clip is missing): pip install "visionpe[clip]"'
+        'visionpe.integrations.open_clip needs the "clip" extra (open_clip is missing); from a clone of visionpe: '
+        'pip install -e ".[clip]"'
     ) from err
 
 from ..models.vit import VisionPEViT, normalize_schemes

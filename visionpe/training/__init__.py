@@ -1,7 +1,7 @@
 """Training with Lightning: the :class:`Classifier` module, image-folder and frame-folder data, extrapolation sweeps.
 
-Needs the ``train`` extra (``pip install "visionpe[train]"``: Lightning, torchmetrics, kornia, matplotlib, TensorBoard).
-The data modules and the module plug into any Lightning project or LightningCLI config::
+Needs the ``train`` extra (from a clone: ``pip install -e ".[train]"``; Lightning, torchmetrics, kornia, matplotlib,
+TensorBoard). The data modules and the module plug into any Lightning project or LightningCLI config::
 
     from visionpe.training import Classifier, ImageFolderDataModule
 
@@ -19,8 +19,8 @@ try:
     import torchmetrics  # noqa: F401
 except ImportError as err:
     raise ImportError(
-        f'visionpe.training needs the "train" extra ({err.name or "lightning"} is missing): '
-        'pip install "visionpe[train]"'
+        f'visionpe.training needs the "train" extra ({err.name or "lightning"} is missing); from a clone of '
+        'visionpe: pip install -e ".[train]"'
     ) from err
 
 from .fsdp import BlockFSDPStrategy

@@ -100,7 +100,9 @@ def _matplotlib():
     try:
         import matplotlib
     except ImportError as err:
-        raise ImportError('plots need matplotlib, part of the "train" extra: pip install "visionpe[train]"') from err
+        raise ImportError(
+            'plots need matplotlib, part of the "train" extra; from a clone of visionpe: pip install -e ".[train]"'
+        ) from err
     return matplotlib
 
 

@@ -14,8 +14,8 @@ Beside the language model's positions: :mod:`visionpe.integrations.hf.packing` p
 for varlen training (:class:`QwenVLPackingCollator`), and :mod:`visionpe.integrations.hf.vision_tower` swaps or
 scales the 2D RoPE of the Qwen-VL vision encoders (:func:`apply_vision_rope`).
 
-Needs the ``vlm`` extra (``pip install "visionpe[vlm]"``, transformers); importing this package without it raises an
-ImportError that says so. ``import visionpe`` never imports it.
+Needs the ``vlm`` extra (from a clone: ``pip install -e ".[vlm]"``, transformers); importing this package without it
+raises an ImportError that says so. ``import visionpe`` never imports it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ try:
     import transformers  # noqa: F401  (the model classes are imported from it by name)
 except ImportError as err:
     raise ImportError(
-        'visionpe.integrations.hf needs the "vlm" extra (transformers is missing): pip install "visionpe[vlm]"'
+        'visionpe.integrations.hf needs the "vlm" extra (transformers is missing); from a clone of visionpe: '
+        'pip install -e ".[vlm]"'
     ) from err
 
 from torch import nn
