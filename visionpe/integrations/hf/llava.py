@@ -58,6 +58,7 @@ from ...multimodal.design import parse_layout
 from ...multimodal.ids import get_position_ids
 from ...multimodal.registry import get_multimodal_scheme
 from ...multimodal.rotary import MultimodalRotary
+from .compat import check_transformers, require_interface
 from .qwen import (
     _ALLOCATION_DEFAULTS,
     _check_design_options,
@@ -432,6 +433,27 @@ def _onevision_layout(
     )
 
 
+_FEATURE = "visionpe's 1-D RoPE adapter (LLaVA, LLaVA-OneVision, InternVL)"
+
+
+def _check_interface(model: nn.Module, vl_model: nn.Module, family: str) -> None:
+    """The installed transformers' release and the methods the adapter replaces or calls, with the arguments it
+    passes by name (a ``**kwargs`` in transformers would swallow a renamed one, e.g. ``cache``, silently)."""
+    check_transformers(_FEATURE)
+    ids = ("input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds")
+    require_interface(_FEATURE, type(vl_model), "forward", ids)
+    if model is not vl_model:
+        require_interface(
+            _FEATURE, type(model), "_prepare_position_ids_for_generation", ("inputs_tensor", "model_kwargs")
+        )
+        names = ("input_ids", "next_sequence_length", "cache", "attention_mask", "inputs_embeds", "is_first_iteration")
+        require_interface(_FEATURE, type(model), "prepare_inputs_for_generation", names)
+    if family == "LlavaOnevisionModel":  # the anyres layout is computed with the model's own functions
+        modeling = importlib.import_module(SUPPORTED_MODELS[family])
+        require_interface(_FEATURE, modeling, "get_anyres_image_grid_shape")
+        require_interface(_FEATURE, modeling, "unpad_image")
+
+
 def _state_of(vl_model: nn.Module | None) -> _Adapter | None:
     return None if vl_model is None else vl_model.__dict__.get(_STATE)
 
@@ -588,6 +610,9 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
         TypeError, ValueError: for an unsupported model, an unknown scheme or option, an option value the scheme
             does not accept, FlashAttention, or a non-default ``rope_type`` where the rotary must be replaced
             (three-row or fractional schemes). Every check runs before anything is patched.
+        ImportError: (:class:`~visionpe.integrations.hf.compat.UnsupportedTransformersError`) for a transformers
+            older than the adapter supports or without a method or argument it relies on; the message names the
+            installed version, the supported range and the install command.
 
     The patched ``forward`` takes ``mm_token_type_ids`` (0 text, 1 image, 2 video), needed only when
     ``inputs_embeds`` come with visual inputs; ``generate`` takes it too. Applying a scheme to a patched model
@@ -598,6 +623,7 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
         >>> out = model.generate(**inputs, max_new_tokens=32)  # doctest: +SKIP
     """
     vl_model, family = _inner_model(model)
+    _check_interface(model, vl_model, family)
     entry = get_multimodal_scheme(scheme)
     design = {k: v for k, v in kwargs.items() if k not in _ROTARY_OPTIONS}
     entry.check_options(design)

@@ -21,7 +21,9 @@ Applying another scheme to a patched model replaces the first one (both are buil
 settings), and ``remove_position_scheme(model)`` puts the model's own modules back.
 
 The model classes are imported from transformers by name (``SUPPORTED_MODELS``), so a transformers without one of
-them still serves the others.
+them still serves the others. :func:`apply_position_scheme` first checks the installed transformers against the
+release the adapter is written for and every method it patches against the signature it expects
+(:mod:`visionpe.integrations.hf.compat`): an older interface would bypass the patch or feed it other arguments.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ...multimodal.ids import get_position_ids
 from ...multimodal.ppe_rotary import PPERotary
 from ...multimodal.registry import get_multimodal_scheme
 from ...multimodal.rotary import MultimodalRotary, apply_multimodal_rotary
+from .compat import check_transformers, require_interface
 from .layers import LayerPlan, check_attention_implementation
 from .layers import install as _install_layer_plan
 from .layers import installed_plan as _installed_layer_plan
@@ -79,6 +82,24 @@ def _inner_model(model: nn.Module) -> tuple[nn.Module, str]:
         supported = ", ".join(f"{n} (or its ForConditionalGeneration)" for n in SUPPORTED_MODELS)
         raise TypeError(f"apply_position_scheme supports {supported}; got {type(model).__name__}")
     return found
+
+
+_FEATURE = "visionpe's Qwen-VL adapter"
+
+
+def _check_interface(model: nn.Module, vl_model: nn.Module) -> None:
+    """The installed transformers' release and the methods the adapter replaces, with the arguments it reads.
+
+    ``forward`` reaches the ids through ``compute_3d_position_ids`` and ``generate`` through the outer model's
+    ``_prepare_position_ids_for_generation``; both call ``get_rope_index(input_ids, mm_token_type_ids, ...)``.
+    """
+    check_transformers(_FEATURE)
+    layout = ("input_ids", "mm_token_type_ids", "image_grid_thw", "video_grid_thw", "attention_mask")
+    require_interface(_FEATURE, type(vl_model), "get_rope_index", layout)
+    require_interface(_FEATURE, type(vl_model), "compute_3d_position_ids", ("input_ids", "inputs_embeds", *layout[1:]))
+    if model is not vl_model:
+        names = ("inputs_tensor", "model_kwargs")
+        require_interface(_FEATURE, type(model), "_prepare_position_ids_for_generation", names)
 
 
 def _scaled_section(default: tuple[int, int, int], num_pairs: int, interleaved: bool = False) -> tuple[int, int, int]:
@@ -256,6 +277,9 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
         TypeError, ValueError: for an unsupported model, an unknown scheme or option, or an option value the
             scheme does not accept (the message names the argument, what it takes and what it got). Every
             option is checked before anything is patched: after an error the model is as it was.
+        ImportError: (:class:`~visionpe.integrations.hf.compat.UnsupportedTransformersError`) for a transformers
+            older than the adapter supports or without a method it patches; the message names the installed
+            version, the supported range and the install command.
 
     With ``scheme="mrope"`` on Qwen2-VL the logits equal the unpatched model's on image inputs (both
     continuation rules agree there); on videos visionpe defaults to the original Qwen2-VL rule
@@ -286,6 +310,7 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
     behaves as ``apply_position_scheme(m, "videorope")``. :func:`remove_position_scheme` undoes the patch.
     """
     vl_model, class_name = _inner_model(model)
+    _check_interface(model, vl_model)
     entry = get_multimodal_scheme(scheme)
     design_kwargs = {k: v for k, v in kwargs.items() if k not in _ROTARY_OPTIONS}
     unknown = [k for k in design_kwargs if k not in entry.design_options()]

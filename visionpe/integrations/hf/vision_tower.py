@@ -60,6 +60,7 @@ from ...rotary.base import LinearRotary
 from ...rotary.functional import rotary_angles
 from ...rotary.rope_mixed import RopeMixed
 from ...rotary.scaling import EXTRAPOLATION_MODES
+from .compat import check_transformers, require_interface
 
 __all__ = [
     "SUPPORTED_TOWERS",
@@ -349,6 +350,18 @@ class VisionTowerRotary(nn.Module):
         self._grid_thw = None
 
 
+def _check_interface(tower: nn.Module) -> None:
+    """The installed transformers' release and the tower interface the replacement relies on: the tower computes
+    its patches' (h, w) with ``transformers.vision_utils.get_vision_position_ids`` and hands them to
+    ``rotary_pos_emb(hidden_states, position_ids)``; each block's attention takes ``position_embeddings``.
+    (The older ``rot_pos_emb(grid_thw)`` called the rotary with a length and indexed its table itself.)"""
+    feature = "visionpe's vision-tower RoPE (apply_vision_rope)"
+    check_transformers(feature)
+    require_interface(feature, importlib.import_module(type(tower).__module__), "get_vision_position_ids")
+    require_interface(feature, type(_own_rotary(tower)), "forward", ("position_ids",))
+    require_interface(feature, type(tower.blocks[0].attn), "forward", ("position_embeddings",))
+
+
 def _check_scheme_class(cls: type, given: Any) -> None:
     """TypeError naming ``scheme`` unless ``cls`` is a pairwise rotary (a LinearRotary without a basis change)."""
     kind = getattr(cls, "kind", None)
@@ -471,6 +484,9 @@ def apply_vision_rope(
             (LieRE, ComRoPE, STRING, HARoPE, SeqPE).
         ValueError: a 3D scheme, ``rotate_values``, an unknown scheme, option or mode, an extrapolation mode
             without ``base_grid``. Everything is checked before the model is touched.
+        ImportError: (:class:`~visionpe.integrations.hf.compat.UnsupportedTransformersError`) for a transformers
+            older than supported or whose tower passes its rotary other arguments; the message names the installed
+            version, the supported range and the install command.
 
     Applying again replaces the previous scheme. :func:`remove_vision_rope` restores the tower's own rotary.
 
@@ -480,6 +496,7 @@ def apply_vision_rope(
         >>> apply_vision_rope(model, "rope_mixed", init_from_tower=True)  # doctest: +SKIP
     """
     tower = vision_tower(model)
+    _check_interface(tower)
     mode = None if extrapolation is None else check_choice(extrapolation, "extrapolation", EXTRAPOLATION_MODES)
     if base_grid is not None:
         base_grid = validate_grid_size(base_grid, "base_grid", ndims=(2,))
