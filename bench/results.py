@@ -12,10 +12,17 @@ same table, header row first, with no comments, so that it loads as it is::
         "throughput",
         [["timm vit_small_patch16_224", 123.4, 1.0]],
         ["model", "images/s", "ratio"],
-        out_dir="docs/benchmarks/results",
+        out_dir="runs/bench/throughput",
         formats={"images/s": ".1f", "ratio": ".3f"},
         notes="batch 8, 224 px, fp32",
     )
+
+Where the files go: a benchmark writes them under ``runs/`` (git ignores it), by default ``runs/bench/<name>``
+(``--out``), and into the published tables, ``docs/benchmarks/results``, only when it is given
+``--results docs/benchmarks/results``: :func:`add_output_arguments` adds both options, :func:`output_error` refuses
+an ``--out`` inside the published folder and ``--results`` with a quick mode, :func:`copy_results` copies the
+written files to ``--results``. A quick mode (``--quick``, ``--dry-run``...) prints :func:`print_quick_notice`'s
+one line: its numbers check the pipeline and measure nothing.
 
 Paths never appear as they are on the machine that ran the benchmark: paths inside the repository are written
 relative to its root, others as ``.../<last component>``; the interpreter is written as ``python``.
@@ -29,13 +36,18 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+from argparse import ArgumentParser
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = "docs/benchmarks/results"
+#: the published tables (committed, linked from the documentation); written only through an explicit ``--results``
+PUBLISHED = "docs/benchmarks/results"
+#: the folder of every benchmark's own result files, ``runs/bench/<name>`` (git ignores ``runs/``)
+RUNS = "runs/bench"
 
 # an absolute path, not part of a word or of a relative path ("images/s", "fwd/bwd", "bench/memory.py")
 _ABSOLUTE = re.compile(r"(?<![\w.~/-])/[\w.+~-]+(?:/[\w.+~-]+)*/?")
@@ -203,7 +215,7 @@ def write_results(
     rows: Iterable[Sequence | Mapping],
     columns: Sequence[str],
     *,
-    out_dir: str | os.PathLike = DEFAULT_OUT,
+    out_dir: str | os.PathLike,
     command: Sequence[str] | str | None = None,
     notes: str | Sequence[str] | None = None,
     device: str | None = None,
@@ -216,8 +228,8 @@ def write_results(
     cell. ``formats``: a format spec per column for numbers (``{"images/s": ".1f"}``), the same in both files.
     ``command``: the argv (default ``sys.argv``) or a ready string. ``notes``: lines between the header and the
     table (the run's settings). ``device``: ``"cuda"`` names the CUDA device, anything else the CPU. ``commit``: see
-    :func:`header`. A relative
-    ``out_dir`` is taken from the current directory, and created if missing.
+    :func:`header`. ``out_dir`` has no default (a script passes its ``--out``, see :func:`add_output_arguments`);
+    a relative one is taken from the current directory, and created if missing.
     """
     cells = table_cells(rows, columns, formats)
     out = Path(out_dir)
@@ -234,3 +246,114 @@ def write_results(
         writer.writerow(columns)
         writer.writerows(cells)
     return md_path, csv_path
+
+
+def runs_dir(name: str) -> str:
+    """``runs/bench/<name>``: where the benchmark ``name`` writes its result files unless given ``--out``."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if not re.fullmatch(r"[\w.-]+", name) or set(name) == {"."}:
+        raise ValueError(f"name must be a file name (letters, digits, '_', '-', '.'), got {name!r}")
+    return f"{RUNS}/{name}"
+
+
+def is_published(path: str | os.PathLike) -> bool:
+    """Whether ``path`` (a relative one: from the current directory) is the published folder
+    ``docs/benchmarks/results`` of this repository or lies inside it."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    if not str(path):
+        raise ValueError("path must not be empty")
+    published = (ROOT / PUBLISHED).resolve()
+    target = Path(path).resolve()
+    return target == published or published in target.parents
+
+
+def add_output_arguments(parser: ArgumentParser, name: str, files: str) -> None:
+    """Add ``--out DIR`` (default :func:`runs_dir` of ``name``) and ``--results DIR`` (default none) to ``parser``.
+
+    ``files``: what the script writes there, for the help (e.g. ``"throughput.md and .csv"``). ``--results`` gets the
+    same files, copied after they are written (:func:`copy_results`); the published tables are
+    ``--results docs/benchmarks/results``.
+    """
+    if not isinstance(parser, ArgumentParser):
+        raise TypeError(f"parser must be an argparse.ArgumentParser, got {type(parser).__name__}")
+    if not isinstance(files, str) or not files:
+        raise ValueError(f"files must be a non-empty str, got {files!r}")
+    default = runs_dir(name)
+    parser.add_argument("--out", default=default, help=f"folder of {files} (default {default}; git ignores runs/)")
+    parser.add_argument(
+        "--results",
+        default=None,
+        help=f"also write {files} there; the published tables are --results {PUBLISHED} (refused in a quick mode)",
+    )
+
+
+def output_error(
+    out: str | os.PathLike | None,
+    results: str | os.PathLike | None = None,
+    quick: str | None = None,
+    *,
+    quick_results: bool = False,
+) -> str | None:
+    """Why a script's output folders must be refused, or ``None`` when they are fine.
+
+    ``out``: the run's own folder (``--out``; ``None``: a script without one); it may not lie in the published
+    folder, which only ``--results`` writes. ``results``: ``--results`` (``None``: not given). ``quick``: how the
+    quick mode in effect is spelled (``"--quick"``, ``"--dry-run"``, ``"--setting quick"``), ``None`` for a
+    measurement; a quick run takes no ``--results``, unless ``quick_results`` (a script whose quick runs write
+    their tables to a folder of their own, in its tests and ``bench/gpu_smoke.sh --dry-run``), and then never the
+    published folder.
+    """
+    if quick is not None and (not isinstance(quick, str) or not quick):
+        raise ValueError(f"quick must be None or the quick mode's option as given, got {quick!r}")
+    if not isinstance(quick_results, bool):
+        raise TypeError(f"quick_results must be a bool, got {type(quick_results).__name__}")
+    if out is not None and is_published(out):
+        return (
+            f"--out {os.fspath(out)} is the published results folder ({PUBLISHED}); --out is the run's own folder "
+            f"(under runs/), and the published tables are written with --results {PUBLISHED}"
+        )
+    if quick is None or results is None:
+        return None
+    if not quick_results:
+        return (
+            f"{quick} is a pipeline check, not a measurement, and takes no --results (its numbers never go into "
+            f"result tables); drop --results, or run without {quick}"
+        )
+    if is_published(results):
+        return (
+            f"{quick} is a pipeline check, not a measurement: --results {os.fspath(results)} is the published results "
+            f"folder ({PUBLISHED}); give --results another folder, or run without {quick}"
+        )
+    return None
+
+
+def print_quick_notice(quick: str) -> None:
+    """Print the one line of a quick mode (``quick``: its option as given, e.g. ``"--quick"``): its numbers check
+    that the pipeline runs and measure nothing."""
+    if not isinstance(quick, str) or not quick:
+        raise ValueError(f"quick must be the quick mode's option as given, got {quick!r}")
+    print(f"{quick}: the numbers of this run are a pipeline check, not a measurement", flush=True)
+
+
+def copy_results(paths: Iterable[str | os.PathLike], results: str | os.PathLike) -> list[Path]:
+    """Copy the result files ``paths`` into the folder ``results`` (created if missing); returns the copies' paths.
+
+    A file already in ``results`` (``--results`` the same folder as ``--out``) is left as it is.
+    """
+    if not isinstance(results, (str, os.PathLike)) or not str(results):
+        raise ValueError(f"results must be a folder path, got {results!r}")
+    sources = [Path(p) for p in paths]
+    missing = [str(p) for p in sources if not p.is_file()]
+    if missing:
+        raise ValueError(f"paths must be existing files, got {missing}")
+    folder = Path(results)
+    folder.mkdir(parents=True, exist_ok=True)
+    copies = []
+    for source in sources:
+        target = folder / source.name
+        if not (target.exists() and target.resolve() == source.resolve()):
+            shutil.copyfile(source, target)
+        copies.append(target)
+    return copies
