@@ -12,9 +12,9 @@ every loss stayed finite.
     .venv/bin/python bench/compile_modes.py                              # on cuda: every scheme, both modes
     .venv/bin/python bench/compile_modes.py --device cpu --modes default --schemes rope_axial --size 32 --depth 1
 
-Writes ``<--out>/compile_modes.md`` and ``.csv`` (``bench/results.py``); exits with status 1 when a scheme fails
-(an exception, a graph break, a CUDA-graph skip under ``reduce-overhead``, non-finite losses or logits beyond
-``--tol``), after every row is written.
+Writes ``<--out>/compile_modes.md`` and ``.csv`` (default ``runs/bench/compile_modes``; ``bench/results.py``), and
+copies them to ``--results DIR`` when given; exits with status 1 when a scheme fails (an exception, a graph break, a
+CUDA-graph skip under ``reduce-overhead``, non-finite losses or logits beyond ``--tol``), after every row is written.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import visionpe  # noqa: E402
-from bench.results import DEFAULT_OUT, ROOT, table_cells, write_results  # noqa: E402
+from bench.results import add_output_arguments, copy_results, output_error, table_cells, write_results  # noqa: E402
 
 MODES = ("reduce-overhead", "max-autotune", "default")
 COLUMNS = ["scheme", "mode", "result", "graphs", "graph breaks", "cudagraph skips", "compile s", "logits rel err"]
@@ -98,10 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3, help="training steps after the compiled first one")
     parser.add_argument("--tol", type=float, default=0.05, help="largest relative error of the logits against eager")
-    parser.add_argument(
-        "--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of compile_modes.md and .csv (default {DEFAULT_OUT})"
-    )
+    add_output_arguments(parser, "compile_modes", "compile_modes.md and .csv")
     args = parser.parse_args(argv)
+    error = output_error(args.out, args.results)
+    if error:
+        parser.error(error)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("no CUDA device; pass --device cpu --modes default for a dry run")
     schemes = args.schemes or visionpe.list_schemes()
@@ -126,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
             paths = write_results(
                 "compile_modes", rows, COLUMNS, out_dir=args.out, notes=notes, device=args.device, formats=formats
             )
+            if args.results is not None:
+                paths += tuple(copy_results(paths, args.results))
     print("wrote " + ", ".join(str(p) for p in paths))
     raise SystemExit(0 if all(r["result"] == "ok" for r in rows) else 1)
 

@@ -4,6 +4,7 @@ Usage (from the repository root)::
 
     python bench/fused_bias.py                        # ViT-S/16 at 1024x1024, batch 1; writes fused_bias.md/.csv
     python bench/fused_bias.py --size 512 --schemes alibi2d irpe
+    python bench/fused_bias.py --results docs/benchmarks/results   # and the published table
 
 Every bias scheme that gives its bias per grid offset (``fused_bias``) runs twice, each time in its own subprocess
 (``bench/memory.py``'s worker): with the default dense path, where the bias of each block is built as a
@@ -14,6 +15,9 @@ during the measured forward (as ``bench/memory.py``), its wall time, and flex / 
 ``vit_small_patch16_224`` as the reference row. On the CPU FlexAttention serves inference only (it has no CPU
 backward), so training keeps the dense path there; on a GPU run ``--device cuda`` of ``bench/throughput.py`` with
 the backend set for training speed.
+
+The table is written to ``<--out>/fused_bias.md`` and ``.csv`` (default ``runs/bench/fused_bias``; ``bench/results.py``)
+and copied to ``--results DIR`` when given: the published table is ``--results docs/benchmarks/results``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.results import DEFAULT_OUT, ROOT, write_results  # noqa: E402
+from bench.results import add_output_arguments, copy_results, output_error, write_results  # noqa: E402
 
 MEMORY = Path(__file__).resolve().parent / "memory.py"
 
@@ -67,10 +71,11 @@ def main() -> None:
     parser.add_argument("--model", default="small", choices=("tiny", "small", "base", "large"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--schemes", nargs="*", help="bias schemes (default: every one with per-offset terms)")
-    parser.add_argument(
-        "--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of fused_bias.md and .csv ({DEFAULT_OUT})"
-    )
+    add_output_arguments(parser, "fused_bias", "fused_bias.md and .csv")
     args = parser.parse_args()
+    error = output_error(args.out, args.results)
+    if error:
+        parser.error(error)
     for name in ("size", "batch", "threads"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name} must be positive, got {getattr(args, name)}")
@@ -116,6 +121,8 @@ def main() -> None:
     formats.update({c: ".2f" for c in ("memory flex/dense", "time flex/dense")})
     formats.update({c: ".1f" for c in ("dense s", "flex s")})
     paths = write_results("fused_bias", rows, columns, out_dir=args.out, notes=notes, formats=formats)
+    if args.results is not None:
+        paths += tuple(copy_results(paths, args.results))
     print("wrote " + ", ".join(str(p) for p in paths))
 
 

@@ -16,8 +16,9 @@ slot's dtype after every add). Each check compares a bf16 run with the fp32 run 
     .venv/bin/python bench/gpu_checks.py --device cpu --size 64 --value-size 64 --memory-size 64 --out runs/dry
 
 Exits with status 1 when a check fails, after printing every result and writing them, checks and memory rows in one
-table, to ``<--out>/gpu_checks.md`` and ``gpu_checks.csv`` (``bench/results.py``: the date, commit, versions, device
-and command on the Markdown file's first line).
+table, to ``<--out>/gpu_checks.md`` and ``gpu_checks.csv`` (default ``runs/bench/gpu_checks``; ``bench/results.py``:
+the date, commit, versions, device and command on the Markdown file's first line), copied to ``--results DIR`` when
+given.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import visionpe  # noqa: E402
-from bench.results import DEFAULT_OUT, ROOT, write_results  # noqa: E402
+from bench.results import add_output_arguments, copy_results, output_error, write_results  # noqa: E402
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -105,10 +106,11 @@ def main() -> None:
     parser.add_argument("--memory-size", type=int, default=1024, help="image size of the memory rows (0: none)")
     parser.add_argument("--schemes", nargs="*", default=None, help="default: every registered scheme")
     parser.add_argument("--tol", type=float, default=0.05, help="largest relative bf16 error accepted")
-    parser.add_argument(
-        "--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of gpu_checks.md and .csv (default {DEFAULT_OUT})"
-    )
+    add_output_arguments(parser, "gpu_checks", "gpu_checks.md and .csv")
     args = parser.parse_args()
+    error = output_error(args.out, args.results)
+    if error:
+        parser.error(error)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("no CUDA device; pass --device cpu for a dry run")
     schemes = args.schemes or visionpe.list_schemes()
@@ -157,6 +159,8 @@ def main() -> None:
     paths = write_results(
         "gpu_checks", table, columns, out_dir=args.out, notes=notes, device=args.device, formats=formats
     )
+    if args.results is not None:
+        paths += tuple(copy_results(paths, args.results))
     print("wrote " + ", ".join(str(p) for p in paths))
     raise SystemExit(0 if ok else 1)
 

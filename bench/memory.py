@@ -4,6 +4,7 @@ Usage (from the repository root)::
 
     python bench/memory.py                     # ViT-S/16, 1024x1024, batch 1, every scheme; writes memory.md/.csv
     python bench/memory.py --schemes irpe lookhere --size 512
+    python bench/memory.py --results docs/benchmarks/results   # and the published table
 
 What is measured: each model runs in its own subprocess (so allocator caches and earlier peaks cannot leak
 between schemes). The worker builds the model, runs one small warm-up forward, then records its resident set
@@ -13,8 +14,10 @@ it: everything the forward allocates (activations, attention biases, bucket maps
 parameters or the Python/torch baseline, which are the same for every scheme. The reference is timm's
 ``vit_small_patch16_224`` (fused attention) at the same size in the same run; the ratio is scheme / timm.
 
-The table printed is also written to ``<--out>/memory.md`` and ``memory.csv`` (default ``docs/benchmarks/results``;
-``bench/results.py`` puts the date, commit, versions, device and command on the Markdown file's first line).
+The table printed is also written to ``<--out>/memory.md`` and ``memory.csv`` (default ``runs/bench/memory``;
+``bench/results.py`` puts the date, commit, versions, device and command on the Markdown file's first line), and
+copied to ``--results DIR`` when given: the published table is ``--results docs/benchmarks/results``. ``--update``
+reads the previous table from ``--results`` when given, else from ``--out``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.results import DEFAULT_OUT, ROOT, write_results  # noqa: E402
+from bench.results import add_output_arguments, copy_results, output_error, write_results  # noqa: E402
 
 REFERENCE = "timm"
 
@@ -99,11 +102,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--schemes", nargs="*", help="scheme names (default: visionpe.list_schemes())")
     parser.add_argument("--target", type=float, default=1.5, help="ratio to flag as exceeded")
-    parser.add_argument("--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of memory.md and .csv ({DEFAULT_OUT})")
+    add_output_arguments(parser, "memory", "memory.md and .csv")
     parser.add_argument(
         "--update",
         action="store_true",
-        help="measure --schemes (and timm) again and keep the other rows of <out>/memory.csv from its last run",
+        help="measure --schemes (and timm) again and keep the other rows of memory.csv in --results (when given, "
+        "else --out) from its last run",
     )
     parser.add_argument(
         "--attn-backend",
@@ -113,6 +117,9 @@ def main() -> None:
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    error = output_error(args.out, args.results)
+    if error:
+        parser.error(error)
     for name in ("size", "batch", "threads"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name} must be positive, got {getattr(args, name)}")
@@ -124,7 +131,7 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, args.size, args.batch, args.model, args.threads, args.attn_backend)))
         return
-    kept = previous_rows(Path(args.out), args.schemes) if args.update else ({}, "")
+    kept = previous_rows(Path(args.results or args.out), args.schemes) if args.update else ({}, "")
     if args.update and not args.schemes:
         parser.error("--update re-measures the schemes named by --schemes; name at least one")
 
@@ -189,6 +196,8 @@ def main() -> None:
     columns = ["scheme", "peak MB", "ratio vs timm", "forward s", "note"]
     formats = {"peak MB": ".0f", "ratio vs timm": ".2f", "forward s": ".1f"}
     paths = write_results("memory", rows, columns, out_dir=args.out, notes=notes, formats=formats)
+    if args.results is not None:
+        paths += tuple(copy_results(paths, args.results))
     print("wrote " + ", ".join(str(p) for p in paths))
 
 

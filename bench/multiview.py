@@ -5,10 +5,13 @@ backward on CPU. Every model is timed in interleaved rounds and the median step 
 model without camera encoding (``camera_embed=None``) in the same run. Cameras are random poses looking at the
 origin.
 
-    .venv/bin/python bench/multiview.py                      # every camera scheme; writes docs/benchmarks/results/
+    .venv/bin/python bench/multiview.py                      # every camera scheme; writes runs/bench/multiview/
     .venv/bin/python bench/multiview.py --schemes gta cape --rounds 3 --out runs/mv
+    .venv/bin/python bench/multiview.py --results docs/benchmarks/results   # and the published table
 
-The table is also written to ``<--out>/multiview_speed.md`` and ``.csv`` (``bench/results.py``).
+The table is also written to ``<--out>/multiview_speed.md`` and ``.csv`` (default ``runs/bench/multiview``;
+``bench/results.py``) and copied to ``--results DIR`` when given: the published table is ``--results
+docs/benchmarks/results``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import visionpe  # noqa: E402
-from bench.results import DEFAULT_OUT, ROOT, write_results  # noqa: E402
+from bench.results import add_output_arguments, copy_results, output_error, write_results  # noqa: E402
 from bench.throughput import step_time  # noqa: E402
 from visionpe.camera import Cameras, look_at  # noqa: E402
 
@@ -56,8 +59,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of the result files ({DEFAULT_OUT})")
+    add_output_arguments(parser, "multiview", "multiview_speed.md and .csv")
     args = parser.parse_args()
+    error = output_error(args.out, args.results)
+    if error:
+        parser.error(error)
     known = visionpe.list_schemes("camera")
     schemes = args.schemes if args.schemes is not None else known
     unknown = [s for s in schemes if s not in known]
@@ -110,6 +116,8 @@ def main() -> None:
         notes=notes,
         formats={"samples/s": ".2f", "ratio to no camera": ".3f"},
     )
+    if args.results is not None:
+        paths += tuple(copy_results(paths, args.results))
     print("wrote " + ", ".join(str(p) for p in paths))
 
 

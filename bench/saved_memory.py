@@ -4,6 +4,7 @@ Usage (from the repository root)::
 
     python bench/saved_memory.py                       # ViT-S/16, 224, batch 8, every scheme; writes saved_memory.*
     python bench/saved_memory.py --schemes liere string_cayley --batch 16
+    python bench/saved_memory.py --results docs/benchmarks/results   # and the published table
 
 What is measured: the bytes of every distinct storage that autograd saves during one training forward (a
 ``torch.autograd.graph.saved_tensors_hooks`` pack hook sees each saved tensor; storages shared by several saved
@@ -16,8 +17,9 @@ STRING's P W_q, counts as the new memory it is. The reference is timm's
 ``vit_small_patch16_224``; the ratio is scheme / timm, and the extra MB per block is (scheme - timm) / depth.
 
 The table printed is also written to ``<--out>/saved_memory.md`` and ``saved_memory.csv`` (default
-``docs/benchmarks/results``; ``bench/results.py`` puts the date, commit, versions, device and command on the
-Markdown file's first line).
+``runs/bench/saved_memory``; ``bench/results.py`` puts the date, commit, versions, device and command on the
+Markdown file's first line), and copied to ``--results DIR`` when given: the published table is ``--results
+docs/benchmarks/results``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import visionpe  # noqa: E402  (registers the visionpe models)
-from bench.results import DEFAULT_OUT, ROOT, write_results  # noqa: E402
+from bench.results import add_output_arguments, copy_results, output_error, write_results  # noqa: E402
 
 REFERENCE = "timm vit_small_patch16_224"
 
@@ -56,10 +58,11 @@ def main() -> None:
     parser.add_argument("--schemes", nargs="*", default=None, help="scheme names (default: every scheme)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--size", type=int, default=224)
-    parser.add_argument(
-        "--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of saved_memory.md and .csv (default {DEFAULT_OUT})"
-    )
+    add_output_arguments(parser, "saved_memory", "saved_memory.md and .csv")
     args = parser.parse_args()
+    error = output_error(args.out, args.results)
+    if error:
+        parser.error(error)
     if args.batch < 1 or args.size < 16:
         raise ValueError(f"--batch must be >= 1 and --size >= 16, got {args.batch}, {args.size}")
     schemes = args.schemes or visionpe.list_schemes()
@@ -87,6 +90,8 @@ def main() -> None:
         f"extra MB per block = (model - timm) / {depth} blocks."
     )
     paths = write_results("saved_memory", rows, columns, out_dir=args.out, notes=notes, formats=formats)
+    if args.results is not None:
+        paths += tuple(copy_results(paths, args.results))
     print("wrote " + ", ".join(str(p) for p in paths))
 
 

@@ -5,7 +5,8 @@ rounds (every model once per round) and the median step time is reported, so tha
 machine hits all models alike. Ratios are against ``timm.create_model("vit_small_patch16_224")`` measured
 in the same run; timm's own RoPE ViTs (Eva) are printed as reference rows.
 
-    .venv/bin/python bench/throughput.py                  # all schemes; writes docs/benchmarks/results/throughput.*
+    .venv/bin/python bench/throughput.py                  # all schemes; writes runs/bench/throughput/throughput.*
+    .venv/bin/python bench/throughput.py --results docs/benchmarks/results  # and the published table
     .venv/bin/python bench/throughput.py --schemes rope_axial rope_mixed --rounds 5
     .venv/bin/python bench/throughput.py --malloc retain  # glibc keeps freed memory: no page faults per step
     .venv/bin/python bench/throughput.py --patch-drop 0.5  # every model, the baseline too, with timm's patch dropout
@@ -13,7 +14,7 @@ in the same run; timm's own RoPE ViTs (Eva) are printed as reference rows.
     .venv/bin/python bench/throughput.py --rove           # and RoPE rotating the values too (rotate_values=True)
     .venv/bin/python bench/throughput.py --schemes alibi2d --flex  # and bias schemes on FlexAttention (GPU rows)
     .venv/bin/python bench/throughput.py --schemes rope_axial --fused-rotary rope_axial  # and RoPE's compiled kernel
-    .venv/bin/python bench/throughput.py --schemes learned_factorized --update  # one row more, the others kept
+    .venv/bin/python bench/throughput.py --schemes learned_factorized --update --results docs/benchmarks/results
     .venv/bin/python bench/throughput.py --inference --size 512 --schemes alibi2d lookhere  # forward passes only
     python3 bench/throughput.py --device cuda --precision bf16 --batch 128 --steps 5 --profile  # on a GPU
 
@@ -31,8 +32,10 @@ q and k rotated by one kernel compiled with ``torch.compile`` (compiled during t
 large sizes costs, where bias schemes compute their bias in chunks of query rows (``PosAttention``).
 
 The table printed is also written to ``<--out>/throughput.md`` and ``throughput.csv`` (``throughput_inference.*``
-with ``--inference``; ``bench/results.py``: the date, commit, versions, device and command on the first line of the
-Markdown file).
+with ``--inference``; ``--out`` defaults to ``runs/bench/throughput``; ``bench/results.py``: the date, commit,
+versions, device and command on the first line of the Markdown file), and copied to ``--results DIR`` when given:
+the published table is ``--results docs/benchmarks/results``. ``--update`` (one row more, the others kept) reads
+the previous table from ``--results`` when given, else from ``--out``.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import visionpe  # noqa: E402
-from bench.results import DEFAULT_OUT, ROOT, write_results  # noqa: E402
+from bench.results import add_output_arguments, copy_results, output_error, write_results  # noqa: E402
 
 REFERENCES = ["vit_small_patch16_rope_224", "vit_small_patch16_rope_mixed_224"]
 COMBOS = [["learned", "rope_mixed"]]
@@ -198,8 +201,8 @@ def main() -> None:
     parser.add_argument(
         "--update",
         action="store_true",
-        help="re-measure only --schemes (and the baseline) and keep the other rows of the previous table in --out, "
-        "each with its ratio against its own run's baseline",
+        help="re-measure only --schemes (and the baseline) and keep the other rows of the previous table in "
+        "--results (when given, else --out), each with its ratio against its own run's baseline",
     )
     parser.add_argument(
         "--inference",
@@ -207,16 +210,17 @@ def main() -> None:
         help="time forward passes of models in eval mode under torch.inference_mode instead of training steps "
         "(writes throughput_inference.md and .csv)",
     )
-    parser.add_argument(
-        "--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of throughput.md and .csv (default {DEFAULT_OUT})"
-    )
+    add_output_arguments(parser, "throughput", "throughput.md and .csv (throughput_inference.* with --inference)")
     args = parser.parse_args()
+    error = output_error(args.out, args.results)
+    if error:
+        parser.error(error)
     results_name = "throughput_inference" if args.inference else "throughput"
     if not 0 <= args.patch_drop < 1:
         parser.error(f"--patch-drop must be in [0, 1), got {args.patch_drop}")
     if args.update and (not args.schemes or args.profile):
         parser.error("--update re-measures the schemes named by --schemes (at least one), without --profile")
-    previous = previous_rows(Path(args.out), results_name) if args.update else None
+    previous = previous_rows(Path(args.results or args.out), results_name) if args.update else None
     if args.malloc == "retain":
         retain_heap()
     if args.threads:
@@ -342,6 +346,8 @@ def main() -> None:
     paths = write_results(
         results_name, rows, columns, out_dir=args.out, notes=notes, device=args.device, formats=formats
     )
+    if args.results is not None:
+        paths += tuple(copy_results(paths, args.results))
     print("wrote " + ", ".join(str(p) for p in paths))
 
 

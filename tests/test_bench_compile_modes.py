@@ -6,6 +6,7 @@ import csv
 import pytest
 
 from .scripts import load_script
+from .test_bench_results import published_untouched
 
 ARGS = "--device cpu --modes default --schemes alibi2d --size 32 --depth 1 --batch 2 --steps 1"
 
@@ -16,15 +17,20 @@ def script():
 
 
 @pytest.mark.parametrize("tol, code, result", [("0.05", 0, "ok"), ("-1", 1, "FAILED: logits")])
-def test_dry_run_on_cpu(script, tmp_path, capsys, tol, code, result):
-    with pytest.raises(SystemExit) as exit_:
-        script.main([*ARGS.split(), "--tol", tol, "--out", str(tmp_path)])
+def test_dry_run_on_cpu(script, tmp_path, monkeypatch, capsys, tol, code, result):
+    """Under runs/bench/compile_modes of the current folder by default, and the same files in --results."""
+    monkeypatch.chdir(tmp_path)
+    with published_untouched(), pytest.raises(SystemExit) as exit_:
+        script.main([*ARGS.split(), "--tol", tol, "--results", str(tmp_path / "published")])
     assert exit_.value.code == code, capsys.readouterr().out
-    with open(tmp_path / "compile_modes.csv", newline="") as f:
+    out = tmp_path / "runs" / "bench" / "compile_modes"
+    with open(out / "compile_modes.csv", newline="") as f:
         table = list(csv.DictReader(f))
     assert len(table) == 1 and table[0]["scheme"] == "alibi2d" and table[0]["result"].startswith(result)
     assert table[0]["graphs"] == "1" and table[0]["graph breaks"] == "0"
-    assert (tmp_path / "compile_modes.md").read_text().startswith("Measured ")
+    assert (out / "compile_modes.md").read_text().startswith("Measured ")
+    for name in ("compile_modes.md", "compile_modes.csv"):
+        assert (tmp_path / "published" / name).read_bytes() == (out / name).read_bytes()
 
 
 def test_refuses_what_it_cannot_run(script, monkeypatch):

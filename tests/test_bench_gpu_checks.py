@@ -5,6 +5,7 @@ import csv
 import pytest
 
 from .scripts import load_script
+from .test_bench_results import published_untouched
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +32,19 @@ def test_refuses_cuda_without_a_device(checks, monkeypatch):
 
 
 def test_dry_run_writes_its_table(checks, monkeypatch, tmp_path, capsys):
+    """Under runs/bench/gpu_checks of the current folder by default, and the same files in --results."""
+    monkeypatch.chdir(tmp_path)
     args = "--device cpu --schemes rope_axial --size 32 --value-size 32 --memory-size 32"
-    monkeypatch.setattr("sys.argv", ["bench/gpu_checks.py", *args.split(), "--out", str(tmp_path)])
-    with pytest.raises(SystemExit) as exit_:
+    monkeypatch.setattr("sys.argv", ["bench/gpu_checks.py", *args.split(), "--results", str(tmp_path / "published")])
+    with published_untouched(), pytest.raises(SystemExit) as exit_:
         checks.main()
     assert exit_.value.code == 0, capsys.readouterr().out
-    md = (tmp_path / "gpu_checks.md").read_text()
-    assert md.startswith("Measured ") and f"`python bench/gpu_checks.py {args} --out .../" in md
-    with open(tmp_path / "gpu_checks.csv", newline="") as f:
+    out = tmp_path / "runs" / "bench" / "gpu_checks"
+    md = (out / "gpu_checks.md").read_text()
+    assert md.startswith("Measured ") and f"`python bench/gpu_checks.py {args} --results .../published`" in md
+    for name in ("gpu_checks.md", "gpu_checks.csv"):
+        assert (tmp_path / "published" / name).read_bytes() == (out / name).read_bytes()
+    with open(out / "gpu_checks.csv", newline="") as f:
         table = list(csv.reader(f))
     assert table[0] == ["check", "result", "detail", "peak MB", "ratio to timm"]
     assert [row[:2] for row in table[1:]] == [

@@ -9,6 +9,7 @@ import timm
 import torch
 
 from .scripts import load_script
+from .test_bench_results import PUBLISHED, published_untouched
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +168,27 @@ def test_inference_times_forward_passes_in_eval_mode(bench, monkeypatch, tmp_pat
     assert not (tmp_path / "throughput.md").exists()
     with open(tmp_path / "throughput_inference.csv", newline="") as f:
         assert [row[0] for row in csv.reader(f)][-1] == "alibi2d"
+
+
+def test_writes_under_runs_by_default_and_the_published_folder_only_with_results(bench, monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    base = ["--schemes", "none", "--rounds", "1", "--warmup", "0", "--batch", "1", "--size", "32"]
+    with published_untouched():
+        monkeypatch.setattr("sys.argv", ["bench/throughput.py", *base])
+        bench.main()
+    runs = tmp_path / "runs" / "bench" / "throughput"
+    assert sorted(p.name for p in runs.iterdir()) == ["throughput.csv", "throughput.md"]
+    # --update reads the previous table from --results when given: none there yet, so it stops before measuring
+    published = tmp_path / "published"
+    monkeypatch.setattr("sys.argv", ["bench/throughput.py", *base, "--update", "--results", str(published)])
+    with pytest.raises(SystemExit, match=f"--update needs a previous throughput.csv and throughput.md in {published}"):
+        bench.main()
+    monkeypatch.setattr("sys.argv", ["bench/throughput.py", *base, "--results", str(published)])
+    bench.main()
+    assert (published / "throughput.md").read_text() == (runs / "throughput.md").read_text()
+    assert "--results .../published`" in (published / "throughput.md").read_text().splitlines()[0]
+    # --out is the run's folder, never the published one
+    monkeypatch.setattr("sys.argv", ["bench/throughput.py", *base, "--out", str(PUBLISHED)])
+    with published_untouched(), pytest.raises(SystemExit):
+        bench.main()
+    assert "is the published results folder" in capsys.readouterr().err
