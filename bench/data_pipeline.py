@@ -14,11 +14,13 @@ Without ``--data-root`` the script writes ``--num-images`` JPEGs of ImageNet-lik
 content with detail, quality 90) to ``--cache`` once, and links them into an ImageNet-layout folder large enough that
 the measured steps fit in one epoch (epoch boundaries would add worker restarts to the timing).
 
-    python bench/data_pipeline.py --device cuda --out runs/bench                   # ViT-S/16, batch 256, 224 px
-    python bench/data_pipeline.py --device cuda --data-root /path/to/imagenet --out runs/bench
-    python bench/data_pipeline.py --device cpu --dry-run --out runs/bench          # a tiny smoke run on the CPU
+    python bench/data_pipeline.py --device cuda                                    # ViT-S/16, batch 256, 224 px
+    python bench/data_pipeline.py --device cuda --data-root /path/to/imagenet
+    python bench/data_pipeline.py --device cpu --dry-run                           # a tiny smoke run on the CPU
 
-The table printed is also written to ``<--out>/data_pipeline.md`` and ``data_pipeline.csv`` (``bench/results.py``).
+The table printed is also written to ``<--out>/data_pipeline.md`` and ``data_pipeline.csv`` (default
+``runs/bench/data_pipeline``; ``bench/results.py``) and copied to ``--results DIR`` when given. ``--dry-run`` checks
+the pipeline and measures nothing: it says so in one line and takes no ``--results``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.results import write_results  # noqa: E402
+from bench.results import add_output_arguments, copy_results, output_error, print_quick_notice, write_results  # noqa: E402
 from visionpe.training import Classifier, ImageFolderDataModule  # noqa: E402
 
 PIPELINES = ("synthetic", "gpu", "gpu-workers", "cpu")
@@ -58,8 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precision", default=None, help="Trainer precision (bf16-mixed on cuda, 32-true on cpu)")
     parser.add_argument("--pipelines", nargs="+", choices=PIPELINES, default=list(PIPELINES))
     parser.add_argument("--dry-run", action="store_true", help="tiny model, 32 px, batch 4, 2 steps, 16 images")
-    parser.add_argument("--out", default="runs/bench", help="folder of data_pipeline.md and data_pipeline.csv")
+    add_output_arguments(parser, "data_pipeline", "data_pipeline.md and .csv")
     args = parser.parse_args(argv)
+    error = output_error(args.out, args.results, "--dry-run" if args.dry_run else None)
+    if error:
+        parser.error(error)
     if args.dry_run:
         args.img_size, args.batch_size, args.steps, args.warmup = 32, 4, 2, 1
         args.num_images, args.num_workers = min(args.num_images, 16), 0
@@ -178,6 +183,8 @@ def steps_per_second(args: argparse.Namespace, data: L.LightningDataModule) -> f
 
 def main(argv: list[str] | None = None) -> list[list]:
     args = parse_args(argv)
+    if args.dry_run:
+        print_quick_notice("--dry-run")
     torch.set_float32_matmul_precision("high")
     steps = args.warmup + args.steps
     if args.data_root is None:
@@ -212,7 +219,7 @@ def main(argv: list[str] | None = None) -> list[list]:
         f"{args.num_workers} workers; data: {source}; gpu pipeline decodes with {decode}"
     )
     columns = ["pipeline", "steps/s", "images/s", "ratio to synthetic"]
-    write_results(
+    paths = write_results(
         "data_pipeline",
         rows,
         columns,
@@ -221,6 +228,8 @@ def main(argv: list[str] | None = None) -> list[list]:
         device=args.device,
         formats={"steps/s": ".2f", "images/s": ".1f"},
     )
+    if args.results is not None:
+        copy_results(paths, args.results)
     return rows
 
 

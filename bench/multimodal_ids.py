@@ -19,12 +19,14 @@ needs, ``DESIGN_OPTIONS``), the batched call against a Python loop of the same c
 valid tokens, its own grids and per-sample options), over all the batches above. The loop's ids must equal the
 batched ids at each sample's valid tokens and its deltas the batched deltas before anything is timed.
 
-    .venv/bin/python bench/multimodal_ids.py   # writes docs/benchmarks/results/multimodal_ids{,_designs}.{md,csv}
+    .venv/bin/python bench/multimodal_ids.py --results docs/benchmarks/results   # the published tables
     .venv/bin/python bench/multimodal_ids.py --quick   # small batches, one round: a smoke test in a few seconds
 
 The tables printed are also written to ``<--out>/multimodal_ids.md`` and ``multimodal_ids_designs.md`` with their
-``.csv`` (``bench/results.py``: the date, commit, versions, device and command on the first line of each Markdown
-file).
+``.csv`` (default ``runs/bench/multimodal_ids``; ``bench/results.py``: the date, commit, versions, device and
+command on the first line of each Markdown file), and copied to ``--results DIR`` when given: the published tables
+are ``--results docs/benchmarks/results``. ``--quick`` checks the pipeline and measures nothing: it says so in one
+line and takes no ``--results``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,13 @@ import torch
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.results import DEFAULT_OUT, ROOT, write_results  # noqa: E402
+from bench.results import (  # noqa: E402
+    add_output_arguments,
+    copy_results,
+    output_error,
+    print_quick_notice,
+    write_results,
+)
 from visionpe.multimodal import get_position_ids, list_multimodal_schemes  # noqa: E402
 
 FUNCTIONS = {
@@ -282,11 +290,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="smoke test: batches of 4, short sequences, 2 mixed batches, one round"
     )
-    parser.add_argument(
-        "--out", default=str(ROOT / DEFAULT_OUT), help=f"folder of the result files (default {DEFAULT_OUT})"
-    )
+    add_output_arguments(parser, "multimodal_ids", "multimodal_ids{,_designs}.md and .csv")
     args = parser.parse_args(argv)
+    error = output_error(args.out, args.results, "--quick" if args.quick else None)
+    if error:
+        parser.error(error)
     if args.quick:
+        print_quick_notice("--quick")
         args.batch, args.tokens, args.mixed, args.side, args.text = 4, 300, 2, (16, 24), (16, 64)
         args.rounds = args.calls = args.design_rounds = args.design_calls = 1
     torch.set_num_threads(args.threads)
@@ -374,6 +384,8 @@ def main(argv: list[str] | None = None) -> None:
         notes=design_notes,
         formats=design_formats,
     )
+    if args.results is not None:
+        paths += tuple(copy_results(paths, args.results))
     print("wrote " + ", ".join(str(p) for p in paths))
 
 

@@ -11,11 +11,15 @@ each image at its own grid and run attention grid by grid on the valid tokens (`
 model is timed in interleaved rounds (each once per round) and the median step time is reported; ratios are against
 the baseline measured in the same run.
 
-    .venv/bin/python bench/naflex.py                       # writes docs/benchmarks/results/naflex.*
+    .venv/bin/python bench/naflex.py                       # writes runs/bench/naflex/naflex.*
+    .venv/bin/python bench/naflex.py --results docs/benchmarks/results   # and the published table
     .venv/bin/python bench/naflex.py --schemes rope_axial alibi2d --rounds 5
     .venv/bin/python bench/naflex.py --quick               # a tiny model and one round: a smoke run
 
-The table printed is also written to ``<--out>/naflex.md`` and ``naflex.csv`` (``bench/results.py``).
+The table printed is also written to ``<--out>/naflex.md`` and ``naflex.csv`` (default ``runs/bench/naflex``;
+``bench/results.py``) and copied to ``--results DIR`` when given: the published table is ``--results
+docs/benchmarks/results``. ``--quick`` checks the pipeline and measures nothing: it says so in one line and takes no
+``--results``.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import visionpe  # noqa: E402, F401  (registers the schemes)
-from bench.results import DEFAULT_OUT, write_results  # noqa: E402
+from bench.results import add_output_arguments, copy_results, output_error, print_quick_notice, write_results  # noqa: E402
 from visionpe.integrations.timm import apply_position_scheme  # noqa: E402
 
 BASELINE = "naflexvit_base_patch16_gap"
@@ -106,9 +110,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="width 64, depth 2, 2 heads, 64 patches, one round")
-    parser.add_argument("--out", default=DEFAULT_OUT)
+    add_output_arguments(parser, "naflex", "naflex.md and .csv")
     args = parser.parse_args()
+    error = output_error(args.out, args.results, "--quick" if args.quick else None)
+    if error:
+        parser.error(error)
     if args.quick:
+        print_quick_notice("--quick")
         args.width, args.depth, args.heads, args.seq_len, args.rounds, args.warmup = 64, 2, 2, 64, 1, 0
     torch.manual_seed(0)
     grid_sizes = grids(args.batch, args.seq_len)
@@ -147,6 +155,8 @@ def main() -> None:
         notes=notes,
         formats={"images/s": ".1f", "ratio to timm NaFlexVit": ".3f"},
     )
+    if args.results is not None:
+        paths += tuple(copy_results(paths, args.results))
     print("wrote " + ", ".join(str(p) for p in paths))
 
 

@@ -9,6 +9,7 @@ import torch
 from visionpe.multimodal import list_multimodal_schemes
 
 from .scripts import load_script
+from .test_bench_results import PUBLISHED, published_untouched, quick_notices
 
 pytest.importorskip("transformers")
 
@@ -19,15 +20,27 @@ def _table(path):
 
 
 def test_quick_run_writes_both_tables(monkeypatch, capsys, tmp_path):
+    """A quick run says once that it measures nothing and writes under runs/bench/multimodal_ids of the current
+    folder, never into the published tables."""
     bench = load_script("bench/multimodal_ids.py")
-    monkeypatch.setattr("sys.argv", ["bench/multimodal_ids.py", "--quick", "--out", str(tmp_path)])
-    bench.main()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["bench/multimodal_ids.py", "--quick"])
+    with published_untouched():
+        bench.main()
     out = capsys.readouterr().out
     assert "identical output: True" in out
-    md = (tmp_path / "multimodal_ids.md").read_text()
-    assert md.startswith("Measured ") and "`python bench/multimodal_ids.py --quick --out .../" in md
+    assert quick_notices(out) == ["--quick: the numbers of this run are a pipeline check, not a measurement"]
+    out_dir = tmp_path / "runs" / "bench" / "multimodal_ids"
+    assert sorted(p.name for p in out_dir.iterdir()) == [
+        "multimodal_ids.csv",
+        "multimodal_ids.md",
+        "multimodal_ids_designs.csv",
+        "multimodal_ids_designs.md",
+    ]
+    md = (out_dir / "multimodal_ids.md").read_text()
+    assert md.startswith("Measured ") and "`python bench/multimodal_ids.py --quick`" in md
     assert "identical ids and deltas from both on every batch" in md and "process CPU time" in md
-    table = _table(tmp_path / "multimodal_ids.csv")
+    table = _table(out_dir / "multimodal_ids.csv")
     assert table[0] == bench.ID_COLUMNS
     assert [row[0] for row in table[1:]] == ["fixed", "mixed-0", "mixed-1", "mixed, overall"]
     printed = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("  ")}
@@ -38,7 +51,7 @@ def test_quick_run_writes_both_tables(monkeypatch, capsys, tmp_path):
     overall = table[-1]
     assert float(overall[6]) == pytest.approx(float(overall[4]) / float(overall[5]), abs=0.06)
 
-    designs = _table(tmp_path / "multimodal_ids_designs.csv")
+    designs = _table(out_dir / "multimodal_ids_designs.csv")
     assert designs[0] == bench.DESIGN_COLUMNS
     assert [row[0] for row in designs[1:]] == list_multimodal_schemes()
     for row in designs[1:]:
@@ -47,7 +60,7 @@ def test_quick_run_writes_both_tables(monkeypatch, capsys, tmp_path):
     options = {row[0]: row[1] for row in designs[1:]}
     assert "interval=2" in options["pype"] and "clusters" in options["ppe"] and "input_ids" in options["bipe"]
     assert "tile_grid" in options["rope_dhr"]
-    assert (tmp_path / "multimodal_ids_designs.md").read_text().startswith("Measured ")
+    assert (out_dir / "multimodal_ids_designs.md").read_text().startswith("Measured ")
 
 
 def test_mixed_batches_mix_images_and_padding_sides():
@@ -81,3 +94,15 @@ def test_disagreement_stops_before_timing(monkeypatch):
     monkeypatch.setattr(bench, "get_position_ids", lambda *a, **k: (torch.zeros(3, 4, 1), torch.zeros(4, 1)))
     with pytest.raises(SystemExit, match="disagree"):
         bench.compare_with_transformers(batch, rounds=1, calls=1)
+
+
+@pytest.mark.parametrize("results", [str(PUBLISHED), "elsewhere"], ids=["published", "elsewhere"])
+def test_quick_run_takes_no_results(monkeypatch, capsys, tmp_path, results):
+    bench = load_script("bench/multimodal_ids.py")
+    monkeypatch.chdir(tmp_path)
+    with published_untouched(), pytest.raises(SystemExit) as exit_:
+        bench.main(["--quick", "--results", results])
+    assert exit_.value.code == 2 and "--quick is a pipeline check, not a measurement, and takes no --results" in (
+        capsys.readouterr().err
+    )
+    assert not list(tmp_path.iterdir())  # refused before anything ran or was written
