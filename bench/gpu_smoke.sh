@@ -20,9 +20,11 @@
 #   --part P    run part P (repeatable; default: steps and smoke, about 12 minutes, as two calls on a lent machine)
 #   --out DIR   folder of the result files (bench/results.py: gpu_checks, throughput, data_pipeline, scenes_gpu
 #               .md/.csv) and each part's printed log (default runs/gpu_results, which git ignores; copy the files
-#               into docs/benchmarks/results/ by hand)
+#               into docs/benchmarks/results/ by hand: their names are those of the CPU tables there, so DIR is
+#               never that folder, and is refused there)
 #   --dry-run   on CPU, tiny sizes: each part runs its command far enough to check it (the smoke benchmark only
-#               parses its options; scenes runs the benchmark's --quick check with the GPU configuration)
+#               parses its options; scenes runs the benchmark's --quick check with the GPU configuration); a
+#               pipeline check, not a measurement, which it says in one line at the end
 # Other options go to bench/gpu_smoke.py (e.g. --steps 60 --batch 128 --schemes rope_axial rope_mixed).
 # On a machine that cannot reach the package registries but has PyTorch, timm, Lightning and kornia (a lent GPU box):
 #   PYTHON=python3 bash bench/gpu_smoke.sh --part steps --out "$OUT"   # no set-up; visionpe from this checkout
@@ -43,6 +45,13 @@ while [ $# -gt 0 ]; do
     esac
 done
 [ ${#parts[@]} -gt 0 ] || parts=(steps smoke)
+published=$(realpath -m docs/benchmarks/results)
+case "$(realpath -m "$out")/" in
+    "$published"/*)
+        echo "--out $out is the published results folder (docs/benchmarks/results); give a folder under runs/" \
+             "and copy the files you mean to publish by hand" >&2
+        exit 2 ;;
+esac
 for part in "${parts[@]}"; do
     case "$part" in
         steps|smoke|data|scenes|fsdp|compile) ;;
@@ -141,5 +150,8 @@ print('batched augmentation without synchronisation:', tuple(y.shape))"
         ;;
     esac
 done
+if [ "$dry" = 1 ]; then
+    "$PYTHON" -c 'from bench.results import print_quick_notice; print_quick_notice("--dry-run")'
+fi
 echo "result files in $out:" && ls "$out"
 exit "$status"
