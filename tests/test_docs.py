@@ -198,7 +198,15 @@ def test_schemes_page_kinds_table_lists_every_registered_scheme():
     rows = _table("docs/schemes.md", ("kind", "base class"))
     listed = {row[0]: set(_names(row[3])) for row in rows}
     registered = {kind: set(_library_schemes(kind)) for kind in {_kinds()[n] for n in _library_schemes()}}
-    assert listed == registered
+    differences = {
+        kind: {
+            "missing": sorted(registered.get(kind, set()) - listed.get(kind, set())),
+            "not registered": sorted(listed.get(kind, set()) - registered.get(kind, set())),
+        }
+        for kind in set(listed) | set(registered)
+        if listed.get(kind) != registered.get(kind)
+    }
+    assert not differences, f"docs/schemes.md's kinds table differs from the registry: {differences}"
 
 
 def test_schemes_page_has_a_section_per_vision_scheme():
@@ -211,7 +219,12 @@ def test_schemes_page_has_a_section_per_vision_scheme():
 def test_readme_scheme_table_lists_every_scheme_with_its_kind():
     rows = _table("README.md", ("name", "kind"))
     listed = {name: row[1] for row in rows for name in _names(row[0])}
-    assert listed == _kinds()
+    kinds = _kinds()
+    other_kind = sorted(n for n in set(kinds) & set(listed) if listed[n] != kinds[n])
+    assert listed == kinds, (
+        f"README.md's scheme table: missing {sorted(set(kinds) - set(listed))}, not registered "
+        f"{sorted(set(listed) - set(kinds))}, another kind than registered {other_kind}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -226,7 +239,11 @@ def test_multimodal_tables_list_every_registered_design(path, header):
     import visionpe
 
     listed = [name for row in _table(path, header) for name in _names(row[0])]
-    assert sorted(listed) == visionpe.multimodal.list_multimodal_schemes(), f"{path}, table {header}"
+    registered = visionpe.multimodal.list_multimodal_schemes()
+    assert sorted(listed) == registered, (
+        f"{path}, table {header}: missing {sorted(set(registered) - set(listed))}, not registered "
+        f"{sorted(set(listed) - set(registered))}"
+    )
 
 
 # --- snippets that run from the repository root -----------------------------------------------------------------
