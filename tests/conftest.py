@@ -47,11 +47,6 @@ def takes_option(name: str, option: str) -> bool:
     return option in inspect.signature(scheme_class(name).__init__).parameters
 
 
-def learns_parameters(name: str) -> bool:
-    """Whether the scheme, built small, has a parameter that trains."""
-    return any(p.requires_grad for p in visionpe.create_pos_embed(name, dim=32, num_heads=2, depth=1).parameters())
-
-
 def supported_extrapolation(name: str) -> tuple[str, ...]:
     """The extrapolation modes the scheme implements (``supported_extrapolation``, read from a small instance: LieRE's
     depends on its block size), ``("none",)`` for schemes without the extrapolation settings."""
@@ -86,20 +81,12 @@ def _family(name: str) -> str:
 # scheme's own numbers are checked by the faster generic tests
 FAMILY_REPRESENTATIVES = sorted({_family(n): n for n in reversed(ALL_SCHEMES)}.values())
 
+# - ONNX export: schemes whose model does not export to ONNX, as the classes declare it (``onnx_refusal``, the reason;
+#   torch.export works for all). The export tests run them as strict xfails, so a declaration that is wrong either way
+#   fails: a fix shows.
+ONNX_FAILS = {name: scheme_class(name).onnx_refusal for name in ALL_SCHEMES if scheme_class(name).onnx_refusal}
+
 # Not declared by the classes:
-# - ONNX export: schemes whose model does not export to ONNX, with the reason (torch.export works for all).
-ONNX_FAILS = {
-    # torch.onnx's decomposition of the biased attention fails on a view (torch 2.14) when the bias is computed from
-    # parameters (irpe, kerple_*, bam); alibi2d's and lookhere's fixed biases export, and so do the schemes that write
-    # their bias into q and k (augments_qk: PaPE), which pass attention no bias. Strict xfails: a fix shows.
-    **{
-        name: "torch.onnx fails to decompose the attention with a bias computed from parameters; torch.export works"
-        for name in BIAS
-        if learns_parameters(name) and not scheme_class(name).augments_qk
-    },
-    "string_cayley": "torch.linalg.solve_ex (the Cayley transform) has no ONNX translation; fold_string_ first",
-    "harope": "torch.linalg.matrix_exp (its U and V) has no ONNX translation; fold_harope_ first",
-}
 # - patch dropout: schemes whose bias of a pair reads tokens other than the two of the pair. The dropped patches'
 #   content never reaches the patch-dropped model, so its kept tokens cannot equal the full grid's with the dropped
 #   keys masked (which still read it).

@@ -107,6 +107,21 @@ class PositionEncoding(nn.Module):
 
     kind: ClassVar[str] = ""
     ndims: ClassVar[tuple[int, ...]] = (2,)
+    # -- capabilities, read by visionpe.contract (the entry points' check and the compatibility table) --
+    #: inputs beyond the image the scheme cannot work without (``"cameras"``)
+    requires: ClassVar[frozenset[str]] = frozenset()
+    #: grid ranks the scheme can be built for (2: images; 3: video, through the scheme's ``ndim`` option)
+    grid_ranks: ClassVar[tuple[int, ...]] = (2,)
+    #: with causal attention, a token still reads no later token (False: the scheme mixes tokens outside attention)
+    supports_causal: ClassVar[bool] = True
+    #: takes mixed-resolution batches (timm's NaFlex layout), each sample at its own grid
+    supports_mixed_resolution: ClassVar[bool] = True
+    #: why ``torch.onnx`` cannot export a model with the scheme, or None (``torch.export`` works for every scheme)
+    onnx_refusal: ClassVar[str | None] = None
+    #: the backends of :func:`~visionpe.set_rotary_backend` that act on the scheme
+    rotary_backends: ClassVar[tuple[str, ...]] = ()
+    #: the backends of :func:`~visionpe.set_attention_backend` that act on the scheme
+    attention_backends: ClassVar[tuple[str, ...]] = ()
     coord_mode: str = "index"
     #: blocks after which the scheme runs (absolute schemes applied between blocks, e.g. CPE's PEG); () = before
     insert_after: tuple[int, ...] = ()
@@ -245,6 +260,7 @@ class RotaryPositionEncoding(PositionEncoding, ABC):
 
     kind = "rotary"
     consumes_coords = True
+    rotary_backends = ("eager",)
 
     @abstractmethod
     def prepare(
@@ -318,6 +334,7 @@ class BiasPositionEncoding(PositionEncoding, ABC):
     """
 
     kind = "bias"
+    attention_backends = ("sdpa",)
     needs_probs: bool = False
     #: ``attn_bias`` and ``augment_qk`` also receive ``tokens``, the block's normalised input (B, P + N, C), for
     #: biases computed from the tokens themselves (context-aware slopes or curvatures)

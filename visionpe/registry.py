@@ -14,7 +14,14 @@ from torch import nn
 from .base import check_model_shape
 from .checks import check_choice, check_instance
 
-__all__ = ["register_scheme", "unregister_scheme", "list_schemes", "create_pos_embed", "get_scheme_class"]
+__all__ = [
+    "register_scheme",
+    "unregister_scheme",
+    "list_schemes",
+    "registered_schemes",
+    "create_pos_embed",
+    "get_scheme_class",
+]
 
 _SCHEMES: dict[str, type[nn.Module]] = {}
 
@@ -67,6 +74,11 @@ def list_schemes(kind: str | None = None) -> list[str]:
     if kind is not None:
         check_choice(kind, "kind", kinds, expected=f"one of {kinds} or None")
     return sorted(n for n, c in _SCHEMES.items() if (c.kind == kind if kind else c.kind in kinds[:3]))
+
+
+def registered_schemes() -> list[str]:
+    """Sorted names of every registered scheme, of every kind (the image schemes and the camera schemes)."""
+    return sorted(_SCHEMES)
 
 
 def get_scheme_class(name: str) -> type[nn.Module]:

@@ -55,8 +55,10 @@ def test_fused_terms_add_up_to_the_dense_bias(name, options):
     q, k, _ = _qk()
     terms = scheme.fused_bias(q, k, state, layer=1)
     if terms is None:  # the dense path serves this scheme: it must not claim per-offset terms it cannot give
-        assert name in ("fire", "cable", "pape", "pape_ri"), f"{name} gives no per-offset terms"
+        # the dense path serves this scheme: it must not declare FlexAttention, which would then change nothing
+        assert "flex" not in scheme.attention_backends, f"{name} declares FlexAttention but gives no per-offset terms"
         return
+    assert "flex" in scheme.attention_backends, f"{name} gives per-offset terms but does not declare FlexAttention"
     fused = sum(term.dense() for term in terms)
     torch.testing.assert_close(fused.expand(2, HEADS, -1, -1), _dense(scheme, q, k, state, 1).expand(2, HEADS, -1, -1))
 
@@ -107,7 +109,9 @@ def test_flex_backend_model_equals_sdpa_at_a_non_square_size():
 
 
 def test_flex_backend_falls_back_where_the_kernel_cannot_run():
-    model = timm.create_model("visionpe_vit_tiny_patch16_224", depth=1, embed_dim=32, num_heads=2, img_size=32)
+    model = timm.create_model(
+        "visionpe_vit_tiny_patch16_224", pos_embed="alibi2d", depth=1, embed_dim=32, num_heads=2, img_size=32
+    )
     attn = visionpe.set_attention_backend(model, "flex").blocks[0].attn
     q, k = torch.randn(1, 2, 17, 16), torch.randn(1, 2, 17, 16)
     alibi = visionpe.create_pos_embed("alibi2d", dim=32, num_heads=2)

@@ -80,6 +80,8 @@ class PEG(AbsolutePositionEncoding):
     """
 
     ndims = (2,)
+    # the convolution mixes each token with its neighbours, later ones included, outside attention
+    supports_causal = False
 
     def __init__(
         self,

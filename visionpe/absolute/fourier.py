@@ -100,6 +100,8 @@ class LearnableFourierPosEmbed(AbsolutePositionEncoding):
 
     consumes_coords = True  # a training-time coord_augment draws the positions (patch centres or corners)
 
+    grid_ranks = (2, 3)
+
     def __init__(
         self,
         dim: int,

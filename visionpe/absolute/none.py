@@ -15,6 +15,7 @@ class NoPosEmbed(AbsolutePositionEncoding):
     """Leaves the tokens as they are; works for 2D and 3D grids."""
 
     ndims = (2, 3)
+    grid_ranks = (2, 3)
 
     def __init__(self, dim: int, num_heads: int, depth: int = 1) -> None:
         super().__init__()

@@ -85,6 +85,7 @@ class Alibi2D(GlobalSlope, BiasPositionEncoding):
     """
 
     ndims = (2,)
+    attention_backends = ("sdpa", "flex")  # per-offset terms for FlexAttention (fused_bias)
     batch_shared_bias = True  # a function of the positions only
     consumes_coords = True  # index coordinates; a training-time coord_augment draws them (CoordinateState)
     # grids up to this many tokens cache their full offset index per forward (4 MB at 1024 tokens)

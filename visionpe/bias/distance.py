@@ -114,6 +114,9 @@ class DistanceKernelBias(BiasPositionEncoding):
     """
 
     ndims = (2,)
+    attention_backends = ("sdpa", "flex")  # per-offset terms for FlexAttention (fused_bias)
+    # torch.onnx's decomposition of an attention with a bias computed from parameters fails on a view (torch 2.14)
+    onnx_refusal = "torch.onnx fails to decompose the attention with a bias computed from parameters"
     batch_shared_bias = True  # a function of the positions only
     consumes_coords = True  # index coordinates; a training-time coord_augment draws them (CoordinateState)
     #: grids up to this many tokens cache their full (N, N) offset index per forward (4 MB at 1024 tokens)

@@ -82,6 +82,8 @@ class FIRE(BiasPositionEncoding):
     """
 
     ndims = (2,)
+    # torch.onnx's decomposition of an attention with a bias computed from parameters fails on a view (torch 2.14)
+    onnx_refusal = "torch.onnx fails to decompose the attention with a bias computed from parameters"
     batch_shared_bias = True  # a function of the positions only
     #: grids up to this many tokens cache their full (N, N) offset index per forward (4 MB at 1024 tokens)
     full_state_max_tokens: int = 1024

@@ -199,6 +199,9 @@ class IRPE(BiasPositionEncoding):
     """
 
     ndims = (2,)
+    attention_backends = ("sdpa", "flex")  # per-offset terms for FlexAttention (fused_bias)
+    # torch.onnx's decomposition of an attention with a bias computed from parameters fails on a view (torch 2.14)
+    onnx_refusal = "torch.onnx fails to decompose the attention with a bias computed from parameters"
     # grids up to this many tokens cache their full (P + N)^2 int32 gather map (4 MB at 1024 tokens); larger
     # grids gather the rows each block needs from the offset table
     full_state_max_tokens: int = 1024

@@ -81,6 +81,7 @@ class _ParabolicBias(BiasPositionEncoding):
 
     needs_tokens = True
     augments_qk = True
+    grid_ranks = (2, 3)
 
     def __init__(self, dim: int, num_heads: int, depth: int, ndim: int, prefix: str, pad_multiple: int) -> None:
         super().__init__()

@@ -102,6 +102,7 @@ class CameraPositionEncoding(PositionEncoding):
 
     kind: ClassVar[str] = "camera"
     ndims: ClassVar[tuple[int, ...]] = (2,)
+    requires: ClassVar[frozenset[str]] = frozenset({"cameras"})
     #: "attention": a :class:`RelativeCameraEncoding`; "tokens": an :class:`AbsoluteCameraEncoding`
     applies_to: ClassVar[str] = ""
     #: the scheme's per-block transform reads the block's tokens (``CameraState.layer(i, tokens)``)

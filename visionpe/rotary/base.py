@@ -189,6 +189,10 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
     positions and attention's output back by the queries', with unit tables of the same angles.
     """
 
+    grid_ranks = (2, 3)
+    # cos/sin tables: one compiled kernel rotates q and k (set_rotary_backend)
+    rotary_backends = ("eager", "fused")
+
     def __init__(
         self,
         dim: int,

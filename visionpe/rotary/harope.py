@@ -149,6 +149,8 @@ class HARoPE(LinearRotary):
     2 * depth * num_heads head_dim x head_dim matrix exponentials (fp32).
     """
 
+    onnx_refusal = "torch.linalg.matrix_exp (its U and V) has no ONNX translation; fold_harope_ first"
+
     def __init__(
         self,
         dim: int,

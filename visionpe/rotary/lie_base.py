@@ -146,6 +146,8 @@ class LieState(RotaryState):
 class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
     """Base class: subclasses implement :meth:`generators` -> (num_heads | 1, head_dim // b, ndim, b, b)."""
 
+    grid_ranks = (2, 3)
+
     @property
     def supported_extrapolation(self) -> tuple[str, ...]:
         """PI always; NTK and YaRN with 2 x 2 blocks, whose rates are frequencies (:meth:`scaled_generators`)."""

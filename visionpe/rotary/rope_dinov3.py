@@ -100,6 +100,7 @@ class RopeDinoV3(LinearRotary):
     """
 
     supported_extrapolation = ("none",)
+    grid_ranks = (2,)  # DINOv3's coordinate normalisation and augmentation are 2D
 
     def __init__(
         self,

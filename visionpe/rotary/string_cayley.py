@@ -58,6 +58,8 @@ class StringCayley(StringBase):
             after it (:mod:`visionpe.rotary.string_base`); False by default.
     """
 
+    onnx_refusal = "torch.linalg.solve_ex (the Cayley transform) has no ONNX translation; fold_string_ first"
+
     def __init__(
         self,
         dim: int,

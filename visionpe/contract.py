@@ -1,0 +1,230 @@
+"""What each scheme needs and supports, what each entry point provides, and the one check between them.
+
+A scheme class declares, as class attributes (:class:`~visionpe.base.PositionEncoding`):
+
+- ``kind``: how it enters the model (``absolute``, ``rotary``, ``bias``, ``camera``);
+- ``requires``: inputs beyond the image it cannot work without (``"cameras"`` for the camera schemes);
+- ``grid_ranks``: the grid ranks it can be built for (2 for images, 3 for video);
+- ``supports_causal``: whether a model with causal attention stays causal with it (a token reads no later token);
+- ``supports_mixed_resolution``: whether it takes mixed-resolution batches (timm's NaFlex layout);
+- ``onnx_refusal``: why ``torch.onnx`` cannot export it, or None (``torch.export`` works for every scheme);
+- ``rotary_backends`` and ``attention_backends``: the backends of :func:`~visionpe.set_rotary_backend` and
+  :func:`~visionpe.set_attention_backend` that act on it (the defaults ``"eager"`` and ``"sdpa"`` always do);
+- ``supported_extrapolation`` (rotary schemes with the extrapolation settings): the modes of
+  :func:`~visionpe.set_extrapolation`, read from an instance since some depend on its options.
+
+An :class:`EntryPoint` declares what a way of building a model provides: the kinds of scheme it places, the inputs
+it passes them, its grid rank, and whether it offers causal attention and mixed-resolution batches. Every entry point
+calls :func:`check_schemes` before it builds anything; a request that cannot work raises :class:`UnsupportedSchemeError`
+(a ValueError) naming the entry point, the scheme, what is missing and where the scheme is supported. Nothing keeps
+its own list of names: the valid names of an entry point are the registered schemes it supports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checks import check_instance
+from .multimodal.registry import list_multimodal_schemes
+from .registry import get_scheme_class, registered_schemes
+
+__all__ = [
+    "EntryPoint",
+    "UnsupportedSchemeError",
+    "register_entry_point",
+    "entry_points",
+    "get_entry_point",
+    "check_schemes",
+    "check_built_scheme",
+    "check_causal",
+    "refusal",
+    "supported_entry_points",
+    "valid_schemes",
+]
+
+
+class UnsupportedSchemeError(ValueError):
+    """A scheme asked of an entry point, a mode or a backend that cannot do what the request says (a ValueError)."""
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    """A way of building a model with position schemes, and what it provides them.
+
+    Args:
+        name: how users call it, e.g. ``'timm.create_model("visionpe_vit_*")'``.
+        argument: the argument that names the schemes (``pos_embed``, ``camera_embed``).
+        kinds: the kinds of scheme it places.
+        provides: the inputs beyond the image it passes the schemes (``"cameras"``, ``"patch_depth"``).
+        grid_rank: the rank of its patch grid (2 for images, 3 for video).
+        causal: whether its forward takes ``is_causal=True``.
+        mixed_resolution: whether its forward takes mixed-resolution batches.
+        label: a short name for tables (default ``name``).
+    """
+
+    name: str
+    argument: str
+    kinds: tuple[str, ...]
+    provides: frozenset[str] = field(default_factory=frozenset)
+    grid_rank: int = 2
+    causal: bool = False
+    mixed_resolution: bool = False
+    label: str = ""
+
+    def __str__(self) -> str:
+        return self.name
+
+
+_ENTRY_POINTS: dict[tuple[str, str], EntryPoint] = {}
+
+
+def register_entry_point(entry: EntryPoint) -> EntryPoint:
+    """Record ``entry`` (for :func:`supported_entry_points` and the compatibility table); returns it."""
+    check_instance(entry, "entry", EntryPoint, expected="a visionpe.contract.EntryPoint")
+    _ENTRY_POINTS[(entry.name, entry.argument)] = entry
+    return entry
+
+
+def entry_points() -> list[EntryPoint]:
+    """Every registered entry point, in registration order."""
+    return list(_ENTRY_POINTS.values())
+
+
+def get_entry_point(name: str, argument: str = "pos_embed") -> EntryPoint:
+    """The registered entry point ``name`` whose schemes are named by ``argument``."""
+    key = (name, argument)
+    if key not in _ENTRY_POINTS:
+        known = [f"{n} ({a})" for n, a in _ENTRY_POINTS]
+        raise ValueError(f"unknown entry point {name!r} with argument {argument!r}; known: {known}")
+    return _ENTRY_POINTS[key]
+
+
+def _declared(cls: type, attribute: str, default: Any) -> Any:
+    return getattr(cls, attribute, default)
+
+
+def refusal(entry: EntryPoint, name: str) -> str | None:
+    """Why ``entry`` cannot use the registered scheme ``name`` (one clause, without the entry point), or None."""
+    cls = get_scheme_class(name)
+    kind = cls.kind
+    missing = sorted(set(_declared(cls, "requires", frozenset())) - set(entry.provides))
+    if missing:
+        return f"{name!r} needs {' and '.join(missing)}, which this entry point does not provide"
+    if kind not in entry.kinds:
+        return f"{name!r} is a {kind} scheme and {entry.argument} here takes {' or '.join(entry.kinds)} schemes"
+    ranks = tuple(_declared(cls, "grid_ranks", (2,)))
+    if entry.grid_rank not in ranks:
+        supported = " or ".join(f"{r}D" for r in ranks)
+        return f"{name!r} supports {supported} grids and this entry point has a {entry.grid_rank}D grid"
+    return None
+
+
+def supported_entry_points(name: str) -> list[EntryPoint]:
+    """The registered entry points that take the scheme ``name``."""
+    return [e for e in _ENTRY_POINTS.values() if refusal(e, name) is None]
+
+
+def valid_schemes(entry: EntryPoint) -> list[str]:
+    """The registered schemes ``entry`` takes, sorted."""
+    return sorted(n for n in registered_schemes() if refusal(entry, n) is None)
+
+
+def _where(name: str) -> str:
+    places = supported_entry_points(name)
+    if not places:
+        return f"no registered entry point takes {name!r}"
+    return f"{name!r} works with " + "; ".join(f"{e.name} ({e.argument}=...)" for e in places)
+
+
+def check_schemes(entry: EntryPoint, names: Iterable[str]) -> None:
+    """ValueError unless ``entry`` can place every scheme in ``names``.
+
+    An unknown name gets a ValueError listing the names valid for ``entry`` (and saying where a multimodal design
+    goes); a known one that cannot work here an :class:`UnsupportedSchemeError` naming the entry point, the scheme,
+    what is missing and the entry points that take it.
+
+    Example:
+        >>> from visionpe.models.vit import VIT_ENTRY
+        >>> check_schemes(VIT_ENTRY, ["rope_axial"])
+        >>> check_schemes(VIT_ENTRY, ["gta"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        visionpe.contract.UnsupportedSchemeError: timm.create_model("visionpe_vit_*") cannot use pos_embed='gta': ...
+    """
+    check_instance(entry, "entry", EntryPoint, expected="a visionpe.contract.EntryPoint")
+    for name in names:
+        check_instance(name, f"{entry.argument} name", str, expected="a scheme name (str)")
+        if name not in registered_schemes():
+            raise ValueError(_unknown(entry, name))
+        reason = refusal(entry, name)
+        if reason is not None:
+            raise UnsupportedSchemeError(f"{entry.name} cannot use {entry.argument}={name!r}: {reason}; {_where(name)}")
+
+
+def _unknown(entry: EntryPoint, name: str) -> str:
+    message = f"unknown position scheme {name!r} for {entry.argument} of {entry.name}"
+    if name in list_multimodal_schemes():
+        message = (
+            f"{name!r} is a multimodal design (positions of the text and image tokens of a vision-language model: "
+            f"visionpe.multimodal and the Hugging Face adapters), not a scheme for {entry.argument} of {entry.name}"
+        )
+    return f"{message}; valid names: {', '.join(valid_schemes(entry))}"
+
+
+def check_built_scheme(entry: EntryPoint, name: str, scheme: Any) -> None:
+    """:class:`UnsupportedSchemeError` when the built ``scheme`` asks for inputs (``extra_inputs``, set by options
+    such as STRING's ``depth_coords=True``) that ``entry`` does not pass."""
+    missing = sorted(set(getattr(scheme, "extra_inputs", ())) - set(entry.provides))
+    if missing:
+        raise UnsupportedSchemeError(
+            f"{entry.name} cannot use {entry.argument}={name!r} with these options: it then reads "
+            f"{' and '.join(missing)}, which this entry point does not pass"
+        )
+
+
+def check_causal(entry: EntryPoint, schemes: Any) -> None:
+    """:class:`UnsupportedSchemeError` for ``is_causal=True`` on ``entry`` when it offers no causal attention or when
+    a scheme would let a token read later tokens (``supports_causal`` False). ``schemes``: {name: scheme} (a dict or
+    a model's ``pos_schemes``) or (name, scheme) pairs."""
+    items = schemes.items() if hasattr(schemes, "items") else schemes
+    if not entry.causal:
+        raise UnsupportedSchemeError(f"{entry.name} has no causal attention; got is_causal=True")
+    for name, scheme in items:
+        if not getattr(scheme, "supports_causal", True):
+            raise UnsupportedSchemeError(
+                f"{entry.name}: {entry.argument}={name!r} mixes every token with its neighbours outside attention, "
+                f"so the model would not be causal; got is_causal=True"
+            )
+
+
+_MARK = {True: "✓", False: "–"}
+
+
+def compatibility_table() -> str:
+    """The contract as a Markdown table: every registered scheme against every registered entry point (✓: it works;
+    –: it refuses with :class:`UnsupportedSchemeError`), then causal attention, mixed-resolution batches, ONNX export,
+    the extrapolation modes and the non-default backends. Generated from the declarations, so it cannot drift
+    from what the code does (the generic tests check the declarations against the schemes' behaviour)."""
+    from .registry import create_pos_embed
+
+    entries = entry_points()
+    header = ["scheme", "kind", *(e.label or e.name for e in entries)]
+    header += ["causal", "mixed batch", "ONNX", "extrapolation", "backends"]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name in registered_schemes():
+        cls = get_scheme_class(name)
+        cells = [f"`{name}`", cls.kind, *(_MARK[refusal(e, name) is None] for e in entries)]
+        cells.append(_MARK[bool(cls.supports_causal) and cls.kind != "camera"])
+        cells.append(_MARK[bool(cls.supports_mixed_resolution) and cls.kind != "camera"])
+        cells.append("not tested" if cls.kind == "camera" else _MARK[cls.onnx_refusal is None])
+        modes = ()
+        if cls.kind == "rotary":
+            scheme = create_pos_embed(name, dim=64, num_heads=2, depth=1)
+            modes = tuple(m for m in getattr(scheme, "supported_extrapolation", ()) if m != "none")
+        cells.append(", ".join(modes) or "–")
+        backends = [b for b in (*cls.rotary_backends, *cls.attention_backends) if b not in ("eager", "sdpa")]
+        cells.append(", ".join(backends) or "–")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
