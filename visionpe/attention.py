@@ -45,9 +45,11 @@ from timm.layers import Attention
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from .base import BiasPositionEncoding
+from .base import BiasPositionEncoding, PositionEncoding
 from .bias.offsets import OffsetBias, offset_score_mod
 from .checks import check_choice, check_instance
+from .contract import UnsupportedSchemeError
+from .registry import get_scheme_class, registered_schemes
 from .rotary.fused import ROTARY_BACKENDS, fused_rotate_qkv
 from .rotary.state import ChainedRotation, IdentityRotation, LayerRotation, RotaryState, split_heads
 from .tokens import gather_pairs, gather_tokens, scatter_pairs, scatter_tokens
@@ -405,6 +407,10 @@ class PosAttention(Attention):
             bias = term if bias is None else bias + term
         if bias is not None:
             bias = bias.to(q.dtype)
+            if is_causal:  # SDPA takes a mask or is_causal, not both: the causal mask joins the bias
+                n, m = q.shape[-2], k.shape[-2]
+                future = torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1)
+                bias, is_causal = bias.masked_fill(future, float("-inf")), False
 
         if self.fused_attn and not pos.needs_probs:
             return F.scaled_dot_product_attention(
@@ -534,7 +540,7 @@ def set_attention_backend(model: nn.Module, backend: str) -> nn.Module:
             "backend='flex' needs torch.nn.attention.flex_attention (PyTorch >= 2.5); "
             f"this is PyTorch {torch.__version__}"
         )
-    return _switch_attention(model, "attn_backend", backend)
+    return _switch_attention(model, "attn_backend", backend, "attention_backends")
 
 
 def set_rotary_backend(model: nn.Module, backend: str) -> nn.Module:
@@ -570,12 +576,26 @@ def set_rotary_backend(model: nn.Module, backend: str) -> nn.Module:
     """
     check_instance(model, "model", nn.Module, expected="a torch.nn.Module")
     check_choice(backend, "backend", ROTARY_BACKENDS)
-    return _switch_attention(model, "rotary_backend", backend)
+    return _switch_attention(model, "rotary_backend", backend, "rotary_backends")
 
 
-def _switch_attention(model: nn.Module, attribute: str, value: str) -> nn.Module:
-    """Set ``attribute`` to ``value`` on every :class:`PosAttention` of ``model``; return ``model``."""
-    for module in model.modules():
-        if isinstance(module, PosAttention):
-            setattr(module, attribute, value)
+def _switch_attention(model: nn.Module, attribute: str, value: str, capability: str) -> nn.Module:
+    """Set ``attribute`` to ``value`` on every :class:`PosAttention` of ``model``; return ``model``.
+
+    A backend other than the default needs a scheme of ``model`` that declares it in ``capability``
+    (``rotary_backends``, ``attention_backends``): :class:`~visionpe.contract.UnsupportedSchemeError` otherwise, since
+    the switch would change nothing."""
+    attentions = [m for m in model.modules() if isinstance(m, PosAttention)]
+    default = getattr(PosAttention, attribute)
+    if value != default:
+        schemes = [m for m in model.modules() if isinstance(m, PositionEncoding)]
+        if not attentions or not any(value in getattr(s, capability, ()) for s in schemes):
+            takers = sorted(n for n in registered_schemes() if value in getattr(get_scheme_class(n), capability, ()))
+            names = sorted({getattr(s, "scheme_name", type(s).__name__) for s in schemes})
+            raise UnsupportedSchemeError(
+                f"backend={value!r} acts on the schemes {takers}; {type(model).__name__} has "
+                f"{names or 'no position scheme in visionpe attention'}, so the switch would change nothing"
+            )
+    for module in attentions:
+        setattr(module, attribute, value)
     return model
