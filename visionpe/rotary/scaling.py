@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from ..checks import check_float, check_int, is_int
+from ..contract import UnsupportedSchemeError
 from ..grid import validate_grid_size
 
 __all__ = [
@@ -295,6 +296,30 @@ def scale_frequencies(
     return torch.stack(rows, dim=-2)
 
 
+#: the options of :func:`set_extrapolation` each mode reads (``train_grid_size`` is read by every mode)
+MODE_OPTIONS = {"yarn": ("alpha", "beta"), "riflex": ("riflex_k",)}
+
+
+def check_mode_options(mode: str, **options: object) -> None:
+    """:class:`~visionpe.contract.UnsupportedSchemeError` naming each option given (not None) that ``mode`` does not
+    read (:data:`MODE_OPTIONS`): a setting that would change nothing is refused, not ignored.
+
+    Example:
+        >>> check_mode_options("yarn", alpha=0.5, riflex_k=None)
+        >>> check_mode_options("pi", alpha=0.5)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        visionpe.contract.UnsupportedSchemeError: alpha applies to extrapolation='yarn' only, got ... and alpha=0.5
+    """
+    for name, value in options.items():
+        if value is None or name in MODE_OPTIONS.get(mode, ()):
+            continue
+        readers = [m for m, names in MODE_OPTIONS.items() if name in names]
+        raise UnsupportedSchemeError(
+            f"{name} applies to extrapolation={readers[0]!r} only, got extrapolation={mode!r} and {name}={value!r}"
+        )
+
+
 class Extrapolation(nn.Module):
     """Mixin holding a rotary scheme's extrapolation settings.
 
@@ -326,7 +351,9 @@ class Extrapolation(nn.Module):
         # frequency multiplier (depth | 1, num_heads | 1, ndim, P) applied after the mode (DoPE), none by default;
         # not saved with the weights: it is an evaluation-time setting, like the mode
         self.register_buffer("band_multiplier", None, persistent=False)
-        self.set_extrapolation(extrapolation, alpha=yarn_alpha, beta=yarn_beta)
+        # the ramp bounds are options of the scheme whatever its mode (YaRN reads them once switched to it)
+        self.yarn_alpha, self.yarn_beta = self._yarn_ramp(yarn_alpha, yarn_beta)
+        self.set_extrapolation(extrapolation)
 
     def set_extrapolation(
         self,
@@ -341,32 +368,49 @@ class Extrapolation(nn.Module):
 
         Args:
             mode: scaling rule; the scheme's ``supported_extrapolation`` lists the modes it implements.
-            alpha, beta: YaRN ramp bounds (kept when None).
-            train_grid_size: override the training grid the factors are relative to.
+            alpha, beta: YaRN ramp bounds (kept when None): the scheme's settings, read whenever it runs ``"yarn"``
+                (:func:`set_extrapolation` on a model takes them with ``"yarn"`` only).
+            train_grid_size: override the training grid the factors are relative to (an int: the same on every axis).
             riflex_k: ``riflex`` only: RIFLEx's band per coordinate axis (:func:`check_riflex_k`; None: the band
                 whose period is nearest the training length, on every axis).
+
+        A mode the scheme does not implement raises :class:`~visionpe.contract.UnsupportedSchemeError` (a ValueError).
         """
         if not isinstance(mode, str) or mode not in EXTRAPOLATION_MODES:
             raise ValueError(f"extrapolation must be one of {EXTRAPOLATION_MODES}, got {mode!r}")
         train = (
             self.train_grid_size
             if train_grid_size is None
-            else validate_grid_size(train_grid_size, "train_grid_size", ndims=self._grid_ranks())
+            else validate_grid_size(self._grid_of(train_grid_size), "train_grid_size", ndims=self._grid_ranks())
         )
+        alpha, beta = self._yarn_ramp(alpha, beta)
+        reason = self.extrapolation_refusal(mode, train)
+        if reason is not None:
+            raise UnsupportedSchemeError(reason)
+        ks = self.check_riflex_options(mode, riflex_k, train)
+        self.train_grid_size = train
+        self.extrapolation, self.yarn_alpha, self.yarn_beta = mode, alpha, beta
+        self.riflex_k = ks
+
+    def _yarn_ramp(self, alpha: float | None, beta: float | None) -> tuple[float, float]:
+        """YaRN's ramp bounds (alpha, beta): the current ones where None; TypeError for a non-number, ValueError
+        unless both are finite and beta > alpha."""
         for arg, value in (("alpha", alpha), ("beta", beta)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
                 raise TypeError(f"yarn {arg} must be a number, got {type(value).__name__} ({value!r})")
         alpha = self.yarn_alpha if alpha is None else float(alpha)
         beta = self.yarn_beta if beta is None else float(beta)
-        reason = self.extrapolation_refusal(mode, train)
-        if reason is not None:
-            raise ValueError(reason)
         if not (math.isfinite(alpha) and math.isfinite(beta) and beta > alpha):
             raise ValueError(f"yarn_beta must be greater than yarn_alpha, got alpha={alpha}, beta={beta}")
-        ks = self.check_riflex_options(mode, riflex_k, train)
-        self.train_grid_size = train
-        self.extrapolation, self.yarn_alpha, self.yarn_beta = mode, alpha, beta
-        self.riflex_k = ks
+        return alpha, beta
+
+    def _grid_of(self, size: int | Sequence[int]) -> Sequence[int]:
+        """``size`` as a grid: an int is the same size on every axis of the scheme's grid (its training grid's rank,
+        else the first rank it takes), as ``img_size=224`` is for timm."""
+        if not is_int(size):
+            return size
+        rank = len(self.train_grid_size) if self.train_grid_size is not None else self._grid_ranks()[0]
+        return (size,) * rank
 
     def check_riflex_options(
         self,
@@ -495,7 +539,11 @@ def set_extrapolation(
 ) -> list[str]:
     """Switch the extrapolation mode of every rotary scheme in ``model``; returns the names switched.
 
-    ``riflex_k`` (``mode="riflex"`` only): RIFLEx's band per coordinate axis, see :func:`check_riflex_k`.
+    ``alpha``, ``beta`` (``mode="yarn"`` only): YaRN's ramp bounds. ``riflex_k`` (``mode="riflex"`` only): RIFLEx's
+    band per coordinate axis, see :func:`check_riflex_k`. ``train_grid_size``: the training grid the factors are
+    relative to (an int: the same on every axis). An option the mode does not read, a model without a scheme that
+    extrapolates, or a mode one of its schemes does not implement raises
+    :class:`~visionpe.contract.UnsupportedSchemeError` (a ValueError), and nothing is switched.
 
     Example:
         >>> import timm, visionpe
@@ -509,14 +557,22 @@ def set_extrapolation(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, Extrapolation)]
     if not targets:
-        raise ValueError(f"{type(model).__name__} has no rotary scheme that supports extrapolation")
+        raise UnsupportedSchemeError(
+            f"{type(model).__name__} has no rotary scheme with extrapolation modes (the rotary schemes of "
+            "visionpe.list_schemes('rotary') but SeqPE), so set_extrapolation would change nothing"
+        )
     if not isinstance(mode, str) or mode not in EXTRAPOLATION_MODES:
         raise ValueError(f"extrapolation must be one of {EXTRAPOLATION_MODES}, got {mode!r}")
-    train = None if train_grid_size is None else validate_grid_size(train_grid_size, "train_grid_size")
+    check_mode_options(mode, alpha=alpha, beta=beta, riflex_k=riflex_k)
+    if is_int(train_grid_size):
+        check_int(train_grid_size, "train_grid_size", min=1)
+    elif train_grid_size is not None:
+        validate_grid_size(train_grid_size, "train_grid_size")
     for name, module in targets:  # validate everything first: all switch or none
+        train = None if train_grid_size is None else validate_grid_size(module._grid_of(train_grid_size))
         reason = module.extrapolation_refusal(mode, train)
         if reason is not None:
-            raise ValueError(f"{name or type(module).__name__}: {reason}")
+            raise UnsupportedSchemeError(f"{name or type(module).__name__}: {reason}")
         module.check_riflex_options(mode, riflex_k, train)
     for _, module in targets:
         module.set_extrapolation(mode, alpha=alpha, beta=beta, train_grid_size=train_grid_size, riflex_k=riflex_k)
