@@ -323,6 +323,30 @@ def test_pretrained_visionpe_checkpoint_of_another_scheme_fails_loudly(tmp_path)
     assert torch.equal(dst.blocks[0].attn.qkv.weight, src.blocks[0].attn.qkv.weight)
 
 
+def test_load_timm_state_dict_refuses_a_state_dict_that_fills_nothing_or_another_size():
+    """Nothing matched (an empty dict, another model size) or shapes that disagree raise unless strict=False; the
+    classifier alone may differ (timm drops a head of another num_classes)."""
+    dst = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed="rope_mixed", depth=2, num_classes=10)
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    with pytest.raises(ValueError, match="fills no tensor"):
+        visionpe.load_timm_state_dict(dst, {})
+    wider = timm.create_model("vit_small_patch16_224", depth=2, num_classes=10).state_dict()
+    with pytest.raises(ValueError, match="(fills no tensor|disagrees .* in shape).*strict=False"):
+        visionpe.load_timm_state_dict(dst, wider)
+    partly = timm.create_model("vit_tiny_patch16_224", depth=2, num_classes=10).state_dict()
+    partly["blocks.1.mlp.fc1.weight"] = torch.zeros(10, 192)
+    with pytest.raises(ValueError, match=r"disagrees .* in shape at 1 key.*blocks\.1\.mlp\.fc1\.weight"):
+        visionpe.load_timm_state_dict(dst, partly)
+    assert all(torch.equal(v, before[k]) for k, v in dst.state_dict().items())  # a refused load changes nothing
+    report = visionpe.load_timm_state_dict(dst, partly, strict=False)
+    assert any(d.startswith("blocks.1.mlp.fc1.weight") for d in report.dropped)
+    other_head = timm.create_model("vit_tiny_patch16_224", depth=2, num_classes=5).state_dict()
+    report = visionpe.load_timm_state_dict(dst, other_head)  # strict: only the classifier differs
+    assert [d.split()[0] for d in report.dropped if "head" in d] == ["head.weight", "head.bias"]
+    with pytest.raises(TypeError, match="strict must be"):
+        visionpe.load_timm_state_dict(dst, other_head, strict="yes")
+
+
 def test_load_timm_state_dict_rejects_non_tensors():
     model = _model("learned", **TINY)
     with pytest.raises(TypeError, match="got str at key 'pos_embed'"):

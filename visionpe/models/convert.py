@@ -10,6 +10,8 @@ import torch
 from timm.layers import resample_abs_pos_embed
 from torch import nn
 
+from ..checks import check_bool
+
 __all__ = ["LoadReport", "convert_timm_state_dict", "load_timm_state_dict"]
 
 
@@ -97,8 +99,14 @@ def tensors_by_name(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.T
     return out
 
 
-def load_timm_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> LoadReport:
+def load_timm_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> LoadReport:
     """Load a vanilla timm ViT ``state_dict`` into ``model``; new position parameters keep their init.
+
+    With ``strict`` (default), a state dict that fills nothing of the model (no tensor matched: another
+    architecture, an empty dict) or one whose tensors disagree in shape with the model's (a ViT-B state dict into a
+    ViT-Ti) raises ValueError naming the keys; the classifier (``head``) alone may differ, as timm drops a classifier
+    of another ``num_classes``. ``strict=False`` loads what matches and reports the rest, as before. The report
+    lists the keys kept at init (``added``), ignored (``dropped``) and resampled either way.
 
     Example:
         >>> import timm, visionpe
@@ -108,7 +116,22 @@ def load_timm_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
         >>> report.added, [d.split()[0] for d in report.dropped]
         (['pos_schemes.rope_mixed.freqs'], ['pos_embed'])
     """
+    check_bool(strict, "strict")
     new_state, report = convert_timm_state_dict(state_dict, model)
+    if strict:
+        classifier = str(getattr(model, "pretrained_cfg", {}).get("classifier", "head"))
+        mismatched = [d for d in report.dropped if "not in model" not in d and not d.startswith(f"{classifier}.")]
+        if not new_state:
+            raise ValueError(
+                f"state_dict fills no tensor of {type(model).__name__}: none of its {len(state_dict)} keys matched a "
+                f"parameter by name and shape (dropped: {report.dropped[:5]}{' ...' if len(report.dropped) > 5 else ''}"
+                "); pass strict=False to load it anyway"
+            )
+        if mismatched:
+            raise ValueError(
+                f"state_dict disagrees with {type(model).__name__} in shape at {len(mismatched)} key(s), e.g. "
+                f"{mismatched[:3]}: it was saved for another model size; pass strict=False to load the rest anyway"
+            )
     model.load_state_dict(new_state, strict=False)
     return report
 
