@@ -188,16 +188,20 @@ class SeqPEModulation(LayerRotation):
         return self.table[:, torch.arange(batch, device=self.table.device) % windows]
 
     def rotate(self, qk: torch.Tensor) -> torch.Tensor:
-        """``qk`` (2, B, heads, T, head_dim), q and k stacked in front: q * pe_q, k * pe_k. A tensor without the
-        stacked axis, (B, heads, T, head_dim), is modulated as queries (``RotaryPositionEncoding.rotate``)."""
+        """``qk`` (2, B, heads, T, head_dim), q and k stacked in front: q * pe_q, k * pe_k; (2, B, ..., heads, T,
+        head_dim) with axes between the batch and the heads (the views of a multi-view model) modulates each alike.
+        A tensor without the stacked axis, (B, heads, T, head_dim), is modulated as queries
+        (``RotaryPositionEncoding.rotate``)."""
         if qk.ndim == 4:
             return qk * self._per_image(qk.shape[0])[0].to(qk.dtype)
-        if qk.ndim != 5 or qk.shape[0] != 2:
+        if qk.ndim < 5 or qk.shape[0] != 2:
             raise ValueError(
-                "qk must be q and k stacked as (2, B, heads, T, head_dim) or one (B, heads, T, head_dim) tensor, "
-                f"got shape {tuple(qk.shape)}"
+                "qk must be q and k stacked as (2, B, ..., heads, T, head_dim) or one (B, heads, T, head_dim) "
+                f"tensor, got shape {tuple(qk.shape)}"
             )
-        return qk * self._per_image(qk.shape[1]).to(qk.dtype)
+        table = self._per_image(qk.shape[1])
+        table = table.reshape(*table.shape[:2], *(1,) * (qk.ndim - 5), *table.shape[2:])
+        return qk * table.to(qk.dtype)
 
     def rotate_kept(self, qk: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """Patch dropout: the rows of the multipliers that each image kept, ``keep`` (B, K), gathered."""
