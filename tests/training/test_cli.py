@@ -130,6 +130,29 @@ def test_bad_model_arguments_are_clear():
         Classifier(base_lr=0.0, num_classes=10)
 
 
+def test_a_scheme_named_with_a_timm_model_replaces_its_encoding_in_place():
+    """pos_embed with a timm model name applies the scheme (apply_position_scheme), never trains the timm model's
+    own encoding under the scheme's name; without pos_embed the timm model keeps its own."""
+    small = dict(depth=1, embed_dim=32, num_heads=2, img_size=32)
+    module = Classifier(model_name="vit_tiny_patch16_224", pos_embed="rope_mixed", model_kwargs=small, num_classes=10)
+    assert list(module.model.pos_schemes) == ["rope_mixed"] and module.model.pos_embed is None
+    options = {"rope_mixed": {"base": 50.0}}
+    module = Classifier(
+        model_name="vit_tiny_patch16_224",
+        pos_embed=["learned", "rope_mixed"],
+        pos_embed_kwargs=options,
+        model_kwargs=small,
+        num_classes=10,
+    )
+    assert list(module.model.pos_schemes) == ["learned", "rope_mixed"]
+    own = Classifier(model_name="vit_tiny_patch16_224", model_kwargs=small, num_classes=10).model
+    assert not hasattr(own, "pos_schemes") and own.pos_embed is not None
+    with pytest.raises(ValueError, match="'gta' needs cameras"):
+        Classifier(model_name="vit_tiny_patch16_224", pos_embed="gta", model_kwargs=small, num_classes=10)
+    default = Classifier(model_name="visionpe_vit_tiny_patch16_224", model_kwargs=small, num_classes=10).model
+    assert default.pos_embed_names == ["learned"]
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [

@@ -30,6 +30,7 @@ from torchmetrics.classification import MulticlassAccuracy
 import visionpe  # noqa: F401  (registers the visionpe models with timm)
 
 from ..grid import validate_positive
+from ..integrations.timm import apply_position_scheme
 from .sampling import _check_int
 from .sampling import _sample_seed as sample_seed
 
@@ -101,7 +102,12 @@ class Classifier(L.LightningModule):
 
     Args:
         model_name: any timm model name, e.g. ``visionpe_vit_small_patch16_224`` or a timm reference model.
-        pos_embed, pos_embed_kwargs: the position scheme(s), passed to visionpe models (ignored for timm's own).
+        pos_embed, pos_embed_kwargs: the position scheme(s) and their options. A visionpe model is created with them
+            (None: its default, ``learned``). A timm model of another name (a ViT, Eva or NaFlexVit) is created as
+            timm builds it and, when either is given, has its position encoding replaced in place by
+            :func:`~visionpe.integrations.timm.apply_position_scheme` (``pos_embed=None`` with options: its own
+            encoding with those options); with neither it keeps its own. A model class that cannot take visionpe
+            schemes raises.
         model_kwargs: further ``timm.create_model`` arguments (``img_size``, ``patch_size``, ``embed_dim``...).
         num_classes: classes.
         base_lr: learning rate for a global batch of ``lr_batch_reference`` images (DeiT: 5e-4 per 512).
@@ -129,7 +135,7 @@ class Classifier(L.LightningModule):
     def __init__(
         self,
         model_name: str = "visionpe_vit_small_patch16_224",
-        pos_embed: str | list[str] | None = "learned",
+        pos_embed: str | list[str] | None = None,
         pos_embed_kwargs: dict[str, Any] | None = None,
         model_kwargs: dict[str, Any] | None = None,
         num_classes: int = 1000,
@@ -151,9 +157,14 @@ class Classifier(L.LightningModule):
         _check_args(locals())
         self.save_hyperparameters()
         kwargs = dict(model_kwargs or {})
-        if model_name.startswith("visionpe_"):
-            kwargs.update(pos_embed=pos_embed, pos_embed_kwargs=pos_embed_kwargs)
+        visionpe_model = model_name.startswith("visionpe_")
+        if visionpe_model and pos_embed is not None:
+            kwargs["pos_embed"] = pos_embed
+        if visionpe_model and pos_embed_kwargs is not None:
+            kwargs["pos_embed_kwargs"] = pos_embed_kwargs
         self.model = timm.create_model(model_name, num_classes=num_classes, drop_path_rate=drop_path_rate, **kwargs)
+        if not visionpe_model and (pos_embed is not None or pos_embed_kwargs is not None):
+            apply_position_scheme(self.model, pos_embed, pos_embed_kwargs)
         if weight_init == "vit":
             for module in self.model.modules():
                 if isinstance(module, torch.nn.Linear):
