@@ -202,18 +202,19 @@ def check_causal(entry: EntryPoint, schemes: Any) -> None:
 _MARK = {True: "✓", False: "–"}
 
 
-def compatibility_table() -> str:
+def compatibility_table(schemes: Iterable[str] | None = None) -> str:
     """The contract as a Markdown table: every registered scheme against every registered entry point (✓: it works;
     –: it refuses with :class:`UnsupportedSchemeError`), then causal attention, mixed-resolution batches, ONNX export,
     the extrapolation modes and the non-default backends. Generated from the declarations, so it cannot drift
-    from what the code does (the generic tests check the declarations against the schemes' behaviour)."""
+    from what the code does (the generic tests check the declarations against the schemes' behaviour). ``schemes``:
+    the rows, every registered scheme by default."""
     from .registry import create_pos_embed
 
     entries = entry_points()
     header = ["scheme", "kind", *(e.label or e.name for e in entries)]
     header += ["causal", "mixed batch", "ONNX", "extrapolation", "backends"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for name in registered_schemes():
+    for name in registered_schemes() if schemes is None else schemes:
         cls = get_scheme_class(name)
         cells = [f"`{name}`", cls.kind, *(_MARK[refusal(e, name) is None] for e in entries)]
         cells.append(_MARK[bool(cls.supports_causal) and cls.kind != "camera"])
