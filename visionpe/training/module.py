@@ -31,6 +31,8 @@ import visionpe  # noqa: F401  (registers the visionpe models with timm)
 
 from ..grid import validate_positive
 from ..integrations.timm import apply_position_scheme
+from ..integrations.timm_swap import SWAP_ENTRY
+from ..models.vit import normalize_schemes
 from .sampling import _check_int
 from .sampling import _sample_seed as sample_seed
 
@@ -158,6 +160,8 @@ class Classifier(L.LightningModule):
         self.save_hyperparameters()
         kwargs = dict(model_kwargs or {})
         visionpe_model = model_name.startswith("visionpe_")
+        if not visionpe_model and pos_embed is not None:  # refuse a scheme the swap cannot place before building
+            normalize_schemes(pos_embed, pos_embed_kwargs, SWAP_ENTRY)
         if visionpe_model and pos_embed is not None:
             kwargs["pos_embed"] = pos_embed
         if visionpe_model and pos_embed_kwargs is not None:
