@@ -8,7 +8,8 @@ to 16), video needle (train clips of up to 8 frames, evaluate up to 32). Setting
 ``train/experiments/vlm/benchmark.py`` (this project's experiment code, not part of the installed package).
 
     .venv/bin/python bench/vlm_extrapolation.py --setting quick --out runs/vlm_quick      # ~1 min
-    .venv/bin/python bench/vlm_extrapolation.py --setting small --seeds 0 1 2 --jobs 2 --out runs/vlm_small
+    .venv/bin/python bench/vlm_extrapolation.py --setting small --seeds 0 1 2 --jobs 2 --out runs/vlm_small \
+        --results docs/benchmarks/results                 # the published tables
     .venv/bin/python bench/vlm_extrapolation.py --setting small --seeds 0 1 2 --jobs 2 --out runs/vlm_small --reuse
     .venv/bin/python bench/vlm_extrapolation.py --setting small --tasks grid --schemes rope_1d mrope vrope
     .venv/bin/python bench/vlm_extrapolation.py --setting small --seeds 0 1 2 --jobs 2 --schemes cca pype \
@@ -23,6 +24,8 @@ torch/timm versions, device and command, as ``bench/results.py`` heads every ben
 schemes from the previous ``vlm.csv`` there, after checking that they were measured with this run's setting (steps,
 questions per length, evaluation lengths) and seeds; otherwise it refuses and changes nothing. The tables of
 ``vlm.md`` are then made from the merged rows, under this run's header line and the earlier run's.
+``--setting quick`` checks the pipeline and measures nothing: it says so in one line, and its ``--results`` (which
+the tests use) may be any folder but the published one. ``--out`` is never the published folder.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # bench.results
 sys.path.insert(0, str(ROOT / "train"))  # the experiments package lives in train/
 
-from bench.results import header  # noqa: E402
+from bench.results import header, output_error, print_quick_notice  # noqa: E402
 from experiments.vlm.benchmark import (  # noqa: E402
     SETTINGS,
     BenchSetting,
@@ -185,6 +188,12 @@ def main(argv: list[str] | None = None) -> dict:
         "previous <results>/vlm.csv (refused unless they come from the same setting and seeds)",
     )
     args = parser.parse_args(argv)
+    quick = "--setting quick" if args.setting == "quick" else None
+    error = output_error(args.out, args.results, quick, quick_results=True)
+    if error:
+        parser.error(error)
+    if quick:
+        print_quick_notice(quick)
     kept, earlier = [], None
     if args.update:
         if args.results is None or not args.schemes:

@@ -22,7 +22,8 @@ Output: a progress bar and a line (wall time, accuracy at the training size) per
 ``<out>/<model>/seed<k>/`` with ``final.ckpt`` and the CSV and TensorBoard logs. ``--results DIR`` also writes the
 table as ``DIR/<name>.md`` and ``DIR/<name>.csv`` (name: ``--results-name``, default the config's), headed by the
 date, commit, versions, device and command, as the other benchmarks write theirs (``bench/results.py``), and the
-plot as ``DIR/<name>.png``; the documentation's table and plot are ``--results docs/benchmarks/results``.
+plot as ``DIR/<name>.png``; the documentation's table and plot are ``--results docs/benchmarks/results`` (the only
+way this script writes there: ``--out`` in that folder is refused).
 ``--verbose`` keeps Lightning's messages and model summaries. Importable: ``from extrapolate import main``.
 """
 
@@ -34,9 +35,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from experiments.sweep import REFERENCE_MODELS, run_sweep
-
-ROOT = Path(__file__).resolve().parents[1]
+from experiments.sweep import REFERENCE_MODELS, bench_results, run_sweep
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not (args.checkpoints or args.schemes or args.references):
         parser.error("give --checkpoints, --schemes or --references")
+    error = bench_results().output_error(args.out, args.results)
+    if error:
+        parser.error(error)
     return args
 
 
@@ -127,12 +129,6 @@ def write_results_table(
     ``command``, the argv; default ``sys.argv``), and its plot as ``<name>.png`` beside them."""
     import torch
 
-    sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repository, next to train/
-    try:
-        from bench.results import write_results
-    finally:
-        sys.path.remove(str(ROOT))
-
     lines = [line for line in paths["md"].read_text().splitlines() if line.startswith("|")]
     columns, *body = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
     table = [cells for cells in body if not set("".join(cells)) <= set("-:")]  # without the |---| line
@@ -145,7 +141,7 @@ def write_results_table(
             "`[mode]`: the same weights evaluated with that extrapolation mode (`pi`: position interpolation)."
         )
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    md, csv_path = write_results(
+    md, csv_path = bench_results().write_results(
         name, table, columns, out_dir=args.results, command=command, notes=notes, device=device
     )
     png = Path(args.results) / f"{name}.png"

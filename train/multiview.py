@@ -17,12 +17,14 @@ a model without cameras) is trained for ``--steps`` steps on fresh scenes per se
     python train/multiview.py                                   # every camera scheme and none, seeds 0 1 2
     python train/multiview.py --schemes none gta --seeds 0      # a subset
     python train/multiview.py --results docs/benchmarks/results # also the documentation's table, CSV and plot
-    python train/multiview.py --quick                           # a smoke run (seconds)
+    python train/multiview.py --quick                           # a smoke run (seconds), not a measurement
 
 Output: a line per trained model, then the table (mean ± std over seeds per scheme and condition, the drop and the
 share of unchanged predictions); per run ``<out>/<scheme>/seed<k>/result.json`` and ``model.pt``, reused with
 ``--reuse`` when their settings match; ``<out>/multiview.{md,csv,png}``, and with ``--results DIR`` the same as
-``DIR/multiview.{md,csv,png}``, headed by the date, commit, versions, device and command (``bench/results.py``).
+``DIR/multiview.{md,csv,png}``, headed by the date, commit, versions, device and command (``bench/results.py``);
+``--quick`` says in one line that its numbers measure nothing, and its ``--results`` may be any folder but the
+published ``docs/benchmarks/results``.
 The CSV has one row per scheme, seed and condition. Runs are independent and deterministic per seed: ``--jobs``
 (default 2) train that many at once in forked processes, each on ``--threads`` CPU threads (default 1; on a shared
 2-core machine, two threads per process made every step several times slower). Importable: ``from multiview import
@@ -108,6 +110,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a smoke run in seconds: 3 steps of 8 scenes, 32 eval scenes, seed 0, one process (unless given)",
     )
     args = parser.parse_args(argv)
+    # --quick writes --results where it is told (its tests), never into the published folder
+    error = bench_results().output_error(args.out, args.results, "--quick" if args.quick else None, quick_results=True)
+    if error:
+        parser.error(error)
     for key, value in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, QUICK.get(key, value) if args.quick else value)
@@ -388,6 +394,8 @@ def write_files(
 
 def main(argv: list[str] | None = None) -> dict[str, Path]:
     args = parse_args(argv)
+    if args.quick:
+        bench_results().print_quick_notice("--quick")
     schemes = check_args(args)
     torch.set_num_threads(args.threads)
     task = MultiViewTask(label=args.label)

@@ -5,7 +5,8 @@ and canvas at 1, 1.5, 2, 3 and 4 times the training side, every extrapolation mo
 
     python train/scenes.py --config configs/scenes/scenes.yaml --results docs/benchmarks/results
 
-A check of the whole pipeline in a few minutes or less (NoPE and RoPE-Axial, a small model, a few steps, 2 sizes):
+A check of the whole pipeline in a few minutes or less (NoPE and RoPE-Axial, a small model, a few steps, 2 sizes;
+it says in one line that its numbers measure nothing, and its ``--results`` may be any folder but the published one):
 
     python train/scenes.py --config configs/scenes/scenes.yaml --quick
 
@@ -59,6 +60,7 @@ from experiments.sweep import (
     _scalable,
     _trained_line,
     accepts_extrapolation,
+    bench_results,
     call_by_name,
     check_config,
     quiet_lightning,
@@ -70,7 +72,6 @@ from visionpe.checks import check_int
 from visionpe.rotary.scaling import EXTRAPOLATION_MODES, set_extrapolation
 from visionpe.training.evaluate import accuracy, plot_palette
 
-ROOT = Path(__file__).resolve().parents[1]
 SCALES = (1.0, 1.5, 2.0, 3.0, 4.0)
 FIELDS = ["task", "kind", "model", "mode", "seed", "scale", "size", "acc", "n"]
 
@@ -155,7 +156,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--verbose", action="store_true", help="keep Lightning's messages and model summaries")
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once, one process each (2 on 2 cores)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: cores / jobs)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # --quick writes --results where it is told (its tests, bench/gpu_smoke.sh --dry-run), never the published folder
+    error = bench_results().output_error(args.out, args.results, "--quick" if args.quick else None, quick_results=True)
+    if error:
+        parser.error(error)
+    return args
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -503,11 +509,7 @@ def write_results_table(paths, rows, config, out_dir, name, command, img_size, d
     commit, versions, device and command), and the plot as ``<name>.png``. Every option of this script is a store
     action, so the command is recorded with each option where it is given last (a wrapper's default given again by
     the user appears once, as it ran)."""
-    sys.path.insert(0, str(ROOT))  # bench/ is a folder of the repository, next to train/
-    try:
-        from bench.results import last_options, write_results
-    finally:
-        sys.path.remove(str(ROOT))
+    last_options, write_results = bench_results().last_options, bench_results().write_results
     columns, body = table_rows(rows)
     notes = table_notes(rows, config, img_size, density)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -638,6 +640,8 @@ def run(
 
 def main(argv: list[str] | None = None) -> dict[str, Path]:
     args = parse_args(argv)
+    if args.quick:
+        bench_results().print_quick_notice("--quick")
     settings = _settings(args)
     paths, rows, checked = run(
         args.config, settings, args.tasks, args.kinds, args.reuse, args.verbose, args.jobs, args.threads

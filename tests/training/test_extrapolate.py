@@ -13,6 +13,7 @@ from visionpe.rotary.scaling import EXTRAPOLATION_MODES
 from visionpe.training.evaluate import line_styles, markdown_table, summarize
 
 from ..scripts import load_script
+from ..test_bench_results import PUBLISHED, published_untouched
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(ROOT / "configs" / "demo" / "digits.yaml")
@@ -48,7 +49,8 @@ def test_sweep_writes_table_csv_and_plot(tmp_path, monkeypatch):
         "trainer.enable_progress_bar=false",
         "trainer.limit_val_batches=1",
     ]
-    paths = _script().main(args)
+    with published_untouched():
+        paths = _script().main(args)
     assert {p.name for p in paths.values()} == {"results.md", "results.csv", "results.png"}
     assert paths["png"].stat().st_size > 1000
     rows = list(csv.DictReader(paths["csv"].open()))
@@ -66,7 +68,8 @@ def test_sweep_writes_table_csv_and_plot(tmp_path, monkeypatch):
         raise AssertionError("a finished run was trained again")
 
     monkeypatch.setattr(lightning.pytorch.Trainer, "fit", no_training)
-    again = _script().main([*args, "--reuse", "--results", str(tmp_path / "docs"), "--results-name", "digits"])
+    with published_untouched():
+        again = _script().main([*args, "--reuse", "--results", str(tmp_path / "docs"), "--results-name", "digits"])
     assert list(csv.DictReader(again["csv"].open())) == rows
     # --results: the same table for the documentation, headed by when, where and how it was measured
     assert again["results_md"] == tmp_path / "docs" / "digits.md" and again["results_csv"].name == "digits.csv"
@@ -287,3 +290,9 @@ def test_plot_lines_have_a_colour_per_model_and_a_style_per_mode():
         line_styles(["a", 3])
     with pytest.raises(TypeError, match="got the str 'rope_axial'"):
         line_styles("rope_axial")
+
+
+def test_out_in_the_published_folder_is_refused(capsys):
+    with published_untouched(), pytest.raises(SystemExit) as exit_:
+        _script().parse_args(["--config", DIGITS, "--schemes", "rope_axial", "--out", str(PUBLISHED / "sweep")])
+    assert exit_.value.code == 2 and "is the published results folder" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from visionpe.camera import Cameras, RelativeCameraEncoding, random_rigid
 from visionpe.registry import get_scheme_class
 
 from ..scripts import load_script
+from ..test_bench_results import PUBLISHED, published_untouched, quick_notices
 
 RELATIVE = [s for s in visionpe.list_schemes("camera") if issubclass(get_scheme_class(s), RelativeCameraEncoding)]
 ABSOLUTE = [s for s in visionpe.list_schemes("camera") if s not in RELATIVE]
@@ -164,7 +165,12 @@ def test_quick_mode_trains_evaluates_and_writes_table_csv_and_plot(tmp_path, cap
     script = load_script("train/multiview.py")
     schemes = ["none", RELATIVE[0]]
     args = ["--quick", "--schemes", *schemes, "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "docs")]
-    paths = script.main(args)
+    with published_untouched():  # --quick writes --results where it is told, never the published tables
+        paths = script.main(args)
+    assert quick_notices(capsys.readouterr().out) == [
+        "--quick: the numbers of this run are a pipeline check, not a measurement"
+    ]
+    assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == ["multiview.csv", "multiview.md", "multiview.png"]
     for key in ("md", "csv", "png", "results_md", "results_csv", "results_png"):
         assert paths[key].is_file() and paths[key].stat().st_size > 100, key
     rows = list(csv.DictReader(paths["results_csv"].open()))
@@ -212,3 +218,19 @@ def test_bad_arguments_fail_before_anything_trains(argv, match, monkeypatch, tmp
     monkeypatch.setattr(script, "train", lambda *a, **k: pytest.fail("trained despite bad arguments"))
     with pytest.raises(ValueError, match=match):
         script.main(["--quick", "--schemes", "none", "--out", str(tmp_path), *argv])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--quick", "--results", str(PUBLISHED)], "--quick is a pipeline check, not a measurement: --results"),
+        (["--out", str(PUBLISHED)], "is the published results folder"),
+    ],
+    ids=["quick-results", "out"],
+)
+def test_the_published_tables_are_refused_before_anything_trains(argv, message, monkeypatch, capsys):
+    script = load_script("train/multiview.py")
+    monkeypatch.setattr(script, "train", lambda *a, **k: pytest.fail("trained despite bad arguments"))
+    with published_untouched(), pytest.raises(SystemExit) as exit_:
+        script.main(["--schemes", "none", *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -26,6 +26,7 @@ from experiments.scenes import (
 )
 
 from ..scripts import load_script
+from ..test_bench_results import PUBLISHED, published_untouched, quick_notices
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "scenes" / "scenes.yaml")
@@ -280,7 +281,8 @@ def test_quick_mode_end_to_end(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     script = load_script("train/scenes.py")
     args = ["--config", CONFIG, "--quick", "--out", str(tmp_path / "out")]
-    paths = script.main(args)
+    with published_untouched():
+        paths = script.main(args)
     rows = list(csv.DictReader(paths["csv"].open()))
     assert {r["task"] for r in rows} == set(TASKS) and {r["kind"] for r in rows} == set(KINDS)
     assert {(r["model"], r["mode"]) for r in rows} == {("none", "none"), ("rope_axial", "none"), ("rope_axial", "ntk")}
@@ -294,8 +296,10 @@ def test_quick_mode_end_to_end(tmp_path, monkeypatch):
     # --reuse: nothing is trained or evaluated again; --results writes the documented files with their header
     monkeypatch.setattr(lightning.pytorch.Trainer, "fit", lambda *a, **k: pytest.fail("trained again"))
     monkeypatch.setattr(script, "evaluate", lambda *a, **k: pytest.fail("evaluated again"))
-    again = script.main([*args, "--reuse", "--results", str(tmp_path / "docs")])
+    with published_untouched():  # --quick writes --results where it is told, never the published tables
+        again = script.main([*args, "--reuse", "--results", str(tmp_path / "docs")])
     assert list(csv.DictReader(again["csv"].open())) == rows
+    assert sorted(p.name for p in (tmp_path / "docs").iterdir()) == ["scenes.csv", "scenes.md", "scenes.png"]
     first = again["results_md"].read_text().splitlines()[0]
     assert first.startswith("Measured ") and "command: `python train/scenes.py --config" in first
     assert again["results_png"].name == "scenes.png" and again["results_csv"].name == "scenes.csv"
@@ -336,3 +340,28 @@ def test_jobs_train_in_processes_of_their_own_with_the_same_rows(tmp_path):
     assert list(csv.DictReader(two["csv"].open())) == list(csv.DictReader(one["csv"].open()))
     with pytest.raises(ValueError, match="jobs must be"):
         script.main([*base, "--jobs", "0", "--out", str(tmp_path / "none")])
+
+
+def test_quick_mode_says_it_measures_nothing_and_keeps_out_of_the_published_tables(monkeypatch, tmp_path, capsys):
+    script = load_script("train/scenes.py")
+    monkeypatch.chdir(tmp_path)
+
+    def stop(args):
+        raise RuntimeError("stopped before training")
+
+    monkeypatch.setattr(script, "_settings", stop)
+    with pytest.raises(RuntimeError, match="stopped before training"):
+        script.main(["--config", CONFIG, "--quick"])
+    assert quick_notices(capsys.readouterr().out) == [
+        "--quick: the numbers of this run are a pipeline check, not a measurement"
+    ]
+    with pytest.raises(RuntimeError, match="stopped before training"):
+        script.main(["--config", CONFIG])
+    assert quick_notices(capsys.readouterr().out) == []  # a measurement says nothing of the kind
+    for argv, message in [
+        (["--quick", "--results", str(PUBLISHED)], "--quick is a pipeline check, not a measurement: --results"),
+        (["--out", str(PUBLISHED / "scenes")], "is the published results folder"),
+    ]:
+        with published_untouched(), pytest.raises(SystemExit) as exit_:
+            script.main(["--config", CONFIG, *argv])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -32,6 +32,7 @@ from visionpe.absolute.sincos import sincos_2d  # noqa: E402
 from visionpe.multimodal import PPERotary, cca_attention_mask, get_position_ids, pype_attention_mask  # noqa: E402
 
 from ..scripts import ROOT, load_script  # noqa: E402
+from ..test_bench_results import PUBLISHED, published_untouched, quick_notices  # noqa: E402
 
 
 def _script():
@@ -151,7 +152,8 @@ def test_quick_setting_end_to_end_learns(tmp_path, monkeypatch):
     """The quick setting through the CLI: two schemes trained and evaluated, md/csv/png written, and both models
     far above chance (10 %) at the training length (measured: about 90 %). Run again with --reuse, nothing is
     trained and the same tables come back."""
-    paths = _script().main(["--setting", "quick", "--out", str(tmp_path), "--threads", "1"])
+    with published_untouched():
+        paths = _script().main(["--setting", "quick", "--out", str(tmp_path), "--threads", "1"])
     quick = SETTINGS["quick"]
     assert set(paths) == set(quick.tasks) == {"video"}
     for path in paths["video"].values():
@@ -172,7 +174,8 @@ def test_quick_setting_end_to_end_learns(tmp_path, monkeypatch):
     monkeypatch.setattr(benchmark, "train_and_evaluate", no_training)
     csv_text = paths["video"]["csv"].read_text()
     results = ["--results", str(tmp_path / "docs")]
-    again = _script().main(["--setting", "quick", "--out", str(tmp_path), "--threads", "1", "--reuse", *results])
+    with published_untouched():  # the quick setting writes --results where it is told, never the published tables
+        again = _script().main(["--setting", "quick", "--out", str(tmp_path), "--threads", "1", "--reuse", *results])
     assert again["video"]["csv"].read_text() == csv_text
     # --results: every task's table under the run's header line, and every row in one CSV
     first, *rest = (tmp_path / "docs" / "vlm.md").read_text().splitlines()
@@ -184,6 +187,27 @@ def test_quick_setting_end_to_end_learns(tmp_path, monkeypatch):
     (tmp_path / "results" / "video_mrope_seed0.json").write_text('{"setting": "small", "rows": [{"acc": 1}]}')
     with pytest.raises(AssertionError, match="trained .*mrope"):
         _script().main(["--setting", "quick", "--out", str(tmp_path), "--threads", "1", "--reuse"])
+
+
+def test_the_quick_setting_says_it_measures_nothing_and_keeps_out_of_the_published_tables(
+    tmp_path, monkeypatch, capsys
+):
+    script = _script()
+    monkeypatch.setattr(script, "run_benchmark", lambda *a, **k: {})
+    for setting, notices in (
+        ("quick", ["--setting quick: the numbers of this run are a pipeline check, not a measurement"]),
+        ("small", []),
+    ):
+        assert script.main(["--setting", setting, "--out", str(tmp_path)]) == {}
+        assert quick_notices(capsys.readouterr().out) == notices
+    monkeypatch.setattr(script, "run_benchmark", lambda *a, **k: pytest.fail("ran despite refused outputs"))
+    for argv, message in [
+        (["--results", str(PUBLISHED)], "--setting quick is a pipeline check, not a measurement: --results"),
+        (["--setting", "small", "--out", str(PUBLISHED)], "is the published results folder"),
+    ]:
+        with published_untouched(), pytest.raises(SystemExit) as exit_:
+            script.main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_train_and_evaluate_rows(tmp_path):

@@ -12,6 +12,7 @@ import importlib
 import inspect
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from .cli import run_cli
 __all__ = [
     "REFERENCE_MODELS",
     "accepts_extrapolation",
+    "bench_results",
     "check_config",
     "quiet_lightning",
     "reference_args",
@@ -49,6 +51,19 @@ REFERENCE_MODELS = {
 
 
 FINAL_CHECKPOINT = "final.ckpt"  # written by train_from_config once a run has finished training
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository: bench/ is a folder of it, next to train/
+
+
+def bench_results():
+    """The benchmarks' shared module ``bench/results.py`` (result files, where they go, the quick-mode notice)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        import bench.results
+    finally:
+        sys.path.remove(str(ROOT))
+    return bench.results
+
 
 # Lightning's informational messages, repeated for every run of a sweep: "Seed set to 0", the accelerators found,
 # a tip advertising a logging service, "Loading `train_dataloader` to estimate...", "`Trainer.fit` stopped".
