@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from lightning.pytorch.callbacks import Callback
 
 from experiments.cli import run_cli
@@ -267,3 +268,27 @@ def test_cutmix_on_clips_cuts_one_box_through_every_frame():
     assert int(pasted[0, 0].sum()) == int(rows.sum()) * int(cols.sum())  # a rectangle
     area = float(pasted[0, 0].float().mean())
     assert soft[0, 0] == pytest.approx(1 - area) and soft[0, 1] == pytest.approx(area)
+
+
+def test_fast_dev_run_writes_its_checkpoint_under_runs(tmp_path, monkeypatch):
+    """fast_dev_run turns the loggers off, so ModelCheckpoint falls back to trainer.default_root_dir: the config's
+    runs/demo, not ./checkpoints of the folder the command runs from."""
+    monkeypatch.chdir(tmp_path)
+    run_cli(args=["fit", "--config", DIGITS, "--trainer.fast_dev_run=true", *FAST[:2]])
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert written == ["runs/demo/checkpoints/last.ckpt"]
+
+
+def test_every_config_with_checkpoints_keeps_them_under_runs():
+    """A config whose Trainer saves checkpoints (a ModelCheckpoint without dirpath) sets default_root_dir under
+    runs/ (git ignores it), where they go when no logger names a folder (fast_dev_run, --trainer.logger=false)."""
+    checked = []
+    for path in sorted((ROOT / "configs").rglob("*.yaml")):
+        trainer = (yaml.safe_load(path.read_text()) or {}).get("trainer") or {}
+        callbacks = trainer.get("callbacks") or []
+        saving = [c for c in callbacks if c["class_path"].endswith("ModelCheckpoint")]
+        if any("dirpath" not in (c.get("init_args") or {}) for c in saving):
+            root = trainer.get("default_root_dir", ".")
+            assert Path(root).parts[0] == "runs", f"{path.relative_to(ROOT)}: checkpoints under {root}"
+            checked.append(path.name)
+    assert {"digits.yaml", "moving_digits.yaml", "deit_small.yaml", "ssv2_small.yaml"} <= set(checked)
