@@ -90,7 +90,8 @@ def reference_args(name: str) -> list[str]:
     if name not in REFERENCE_MODELS:
         raise ValueError(f"unknown reference model {name!r}; valid: {sorted(REFERENCE_MODELS)}")
     _, model_name, overrides = REFERENCE_MODELS[name]
-    return [f"--model.model_name={model_name}", *overrides]
+    # pos_embed null: the timm model keeps its own encoding (a scheme named in the config would replace it in place)
+    return [f"--model.model_name={model_name}", "--model.pos_embed=null", *overrides]
 
 
 def check_config(config: str | Path) -> Path:
