@@ -30,13 +30,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..checks import ArgumentTypeError, check_int, check_tensor, is_int
 from .design import DesignOutput, VisualLayout, assemble_positions, parse_layout
 
-__all__ = ["BIPE_SEPARATOR_IDS", "BIPE_MAX_INTRA", "BiPESideIndex", "bipe_design", "bipe_side_index"]
+__all__ = [
+    "BIPE_SEPARATOR_IDS",
+    "BIPE_MAX_INTRA",
+    "BiPESideIndex",
+    "bipe_advance_tokens",
+    "bipe_design",
+    "bipe_side_index",
+]
 
 BIPE_SEPARATOR_IDS = (869, 13)  # "." and "\n" in the Llama tokenizer, as in the released BiPE code
 BIPE_MAX_INTRA = 1024  # rows of the released intra-segment embedding table
@@ -56,6 +64,21 @@ def _check_separators(separator_ids: Sequence[int]) -> tuple[int, ...]:
             f"separator_ids must be a non-empty list or tuple of non-negative int token ids, got {separator_ids!r}"
         )
     return tuple(separator_ids)
+
+
+def bipe_advance_tokens(options: dict[str, Any]) -> tuple[int, ...]:
+    """The token ids after which :func:`bipe_design`'s text position advances, for its design ``options``
+    (``separator_ids``, :data:`BIPE_SEPARATOR_IDS` by default): a decoder adds one after these tokens only.
+
+    Example:
+        >>> bipe_advance_tokens({})
+        (869, 13)
+        >>> bipe_advance_tokens({"separator_ids": torch.tensor([[5], [7]])})
+        (5, 7)
+    """
+    if not isinstance(options, dict):
+        raise ArgumentTypeError(f"options must be a dict of bipe's design options, got {type(options).__name__}")
+    return tuple(torch.as_tensor(options.get("separator_ids", BIPE_SEPARATOR_IDS)).reshape(-1).tolist())
 
 
 def _previous_valid(valid: torch.Tensor) -> torch.Tensor:

@@ -17,14 +17,25 @@ exceeds the spatial one, where the 5.x rule places the next text inside the vide
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..checks import check_bool, check_choice, check_positive
 from .design import DesignOutput, VisualLayout, block_max, block_max_plus_one
 
-__all__ = ["CONTINUATIONS", "mrope_design", "mrope_abs_time_design", "continue_after_blocks"]
+__all__ = [
+    "CONTINUATIONS",
+    "TOKENS_PER_SECOND",
+    "mrope_design",
+    "mrope_abs_time_design",
+    "mrope_abs_time_model_defaults",
+    "continue_after_blocks",
+]
 
 CONTINUATIONS = ("max_plus_one", "spatial_extent")
+# temporal ids per second of the released Qwen2.5-VL checkpoints, for a model config that does not give its own
+TOKENS_PER_SECOND = 2
 
 
 def continue_after_blocks(layout: VisualLayout, local: torch.Tensor, continuation: str) -> torch.Tensor:
@@ -91,6 +102,21 @@ def mrope_abs_time_design(
     top = block_max(layout, local)
     advance = top + 1 if continuation == "max_plus_one" else layout.block_thw[:, 1:].amax(1)
     return DesignOutput(local=local, advance=advance, integer=not fractional_time, block_top=top)
+
+
+def mrope_abs_time_model_defaults(config: Any) -> dict[str, Any]:
+    """The options :func:`mrope_abs_time_design` reads from a model's config: ``tokens_per_second`` of its
+    ``vision_config`` (Qwen2.5-VL's), :data:`TOKENS_PER_SECOND` where the config has none.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> mrope_abs_time_model_defaults(SimpleNamespace(vision_config=SimpleNamespace(tokens_per_second=4)))
+        {'tokens_per_second': 4.0}
+        >>> mrope_abs_time_model_defaults(SimpleNamespace())
+        {'tokens_per_second': 2.0}
+    """
+    vision_config = getattr(config, "vision_config", None)
+    return {"tokens_per_second": float(getattr(vision_config, "tokens_per_second", TOKENS_PER_SECOND))}
 
 
 def _video_intervals(

@@ -14,12 +14,13 @@ from functools import cache
 from typing import Any
 
 from ..checks import check_instance
-from .bipe import bipe_design
+from ..contract import register_other_names
+from .bipe import bipe_advance_tokens, bipe_design
 from .cca import cca_design
 from .circle_rope import circle_rope_design, circle_rope_layer_of
 from .design import DesignOutput, VisualLayout
 from .hope import hope_design
-from .mrope import mrope_abs_time_design, mrope_design
+from .mrope import mrope_abs_time_design, mrope_abs_time_model_defaults, mrope_design
 from .mrope_interleaved import mrope_interleaved_design
 from .ppe import ppe_design
 from .pype import pype_design, pype_layer_of
@@ -45,6 +46,16 @@ class MultimodalScheme:
       query q iff its position offset in the block is at most q's (:func:`~visionpe.multimodal.cca.visual_block_mask`).
     - ``required_options``: options without a default that a model adapter must be given (the design accepts their
       absence only where the result does not depend on them, e.g. PyPE's layer 0).
+    - ``call_inputs``: options that describe one batch's tokens (PPE's ``clusters``, BiPE's ``input_ids``, a video's
+      ``second_per_grid_ts``): an adapter takes them with each call, never once for the model.
+    - ``model_defaults``: ``model_defaults(config) -> {option: value}``, the defaults a model adapter reads from the
+      model's config (Qwen2.5-VL's ``vision_config.tokens_per_second`` for ``mrope_abs_time``); options given
+      explicitly win (:meth:`with_model_defaults`).
+    - ``representatives_option``: the option that gives K positions per token (PPE's ``num_representatives``): the
+      ids then have 3K rows, which need :class:`~visionpe.multimodal.PPERotary` for K > 1.
+    - ``advance_tokens``: ``advance_tokens(options) -> token ids``, for designs whose text position advances only
+      after those tokens (BiPE's separators), where a decoder must not add one per generated token. None: every
+      text token advances the position by one.
     """
 
     name: str
@@ -55,6 +66,10 @@ class MultimodalScheme:
     layer_of: Callable[[int, dict[str, Any]], int] | None = None
     block_mask: bool = False
     required_options: tuple[str, ...] = ()
+    call_inputs: tuple[str, ...] = ()
+    model_defaults: Callable[[Any], dict[str, Any]] | None = None
+    representatives_option: str | None = None
+    advance_tokens: Callable[[dict[str, Any]], tuple[int, ...]] | None = None
 
     def design_options(self) -> list[str]:
         """Keyword options of the position design (``get_position_ids(scheme, ..., **options)``)."""
@@ -70,6 +85,27 @@ class MultimodalScheme:
         self.check_options(options)
         return self.design(layout, **options)
 
+    def with_model_defaults(self, options: dict[str, Any], config: Any) -> dict[str, Any]:
+        """``options`` followed by the defaults this design reads from a model's ``config`` for the options not given.
+
+        Example:
+            >>> from types import SimpleNamespace
+            >>> config = SimpleNamespace(vision_config=SimpleNamespace(tokens_per_second=4))
+            >>> get_multimodal_scheme("mrope_abs_time").with_model_defaults({}, config)
+            {'tokens_per_second': 4.0}
+        """
+        check_instance(options, "options", dict, expected="a dict of design options")
+        if self.model_defaults is None:
+            return dict(options)
+        defaults = self.model_defaults(config)
+        return {**options, **{name: value for name, value in defaults.items() if name not in options}}
+
+    def representatives(self, options: dict[str, Any]) -> Any:
+        """K, the positions per token that ``options`` ask for (1 for designs without ``representatives_option``),
+        as given: the design checks its value."""
+        check_instance(options, "options", dict, expected="a dict of design options")
+        return 1 if self.representatives_option is None else options.get(self.representatives_option, 1)
+
 
 @cache
 def _design_options(design: Callable[..., DesignOutput]) -> tuple[str, ...]:
@@ -81,7 +117,13 @@ MULTIMODAL_SCHEMES: dict[str, MultimodalScheme] = {
     for s in (
         MultimodalScheme("mrope", mrope_design, "chunked", {"mrope_section": (16, 24, 24)}, "Qwen2-VL"),
         MultimodalScheme(
-            "mrope_abs_time", mrope_abs_time_design, "chunked", {"mrope_section": (16, 24, 24)}, "Qwen2.5-VL"
+            "mrope_abs_time",
+            mrope_abs_time_design,
+            "chunked",
+            {"mrope_section": (16, 24, 24)},
+            "Qwen2.5-VL",
+            call_inputs=("second_per_grid_ts",),
+            model_defaults=mrope_abs_time_model_defaults,
         ),
         MultimodalScheme(
             "mrope_interleaved",
@@ -104,8 +146,24 @@ MULTIMODAL_SCHEMES: dict[str, MultimodalScheme] = {
             layer_of=circle_rope_layer_of,
         ),
         MultimodalScheme("rope_dhr", rope_dhr_design, "single_axis", {}, "RoPE-DHR (CoMemo, Liu et al. 2025)"),
-        MultimodalScheme("bipe", bipe_design, "single_axis", {}, "BiPE (He et al. 2024)"),
-        MultimodalScheme("ppe", ppe_design, "chunked", {"mrope_section": (16, 24, 24)}, "PPE (Huang et al. 2026)"),
+        MultimodalScheme(
+            "bipe",
+            bipe_design,
+            "single_axis",
+            {},
+            "BiPE (He et al. 2024)",
+            call_inputs=("input_ids",),
+            advance_tokens=bipe_advance_tokens,
+        ),
+        MultimodalScheme(
+            "ppe",
+            ppe_design,
+            "chunked",
+            {"mrope_section": (16, 24, 24)},
+            "PPE (Huang et al. 2026)",
+            call_inputs=("clusters", "weights", "second_per_grid_ts"),
+            representatives_option="num_representatives",
+        ),
         MultimodalScheme("rope_1d", rope_1d_design, "single_axis", {}, "1-D RoPE (RoFormer, Su et al. 2024)"),
         MultimodalScheme("cca", cca_design, "single_axis", {}, "CCA (Xing et al. 2024)", block_mask=True),
         MultimodalScheme(
@@ -139,3 +197,11 @@ def get_multimodal_scheme(name: str) -> MultimodalScheme:
     if name not in MULTIMODAL_SCHEMES:
         raise ValueError(f"unknown multimodal scheme {name!r}; valid names: {', '.join(list_multimodal_schemes())}")
     return MULTIMODAL_SCHEMES[name]
+
+
+# image models name this registry's designs in their refusals (visionpe.contract)
+register_other_names(
+    list_multimodal_schemes,
+    "a multimodal design (positions of the text and image tokens of a vision-language model: visionpe.multimodal "
+    "and the Hugging Face adapters)",
+)
