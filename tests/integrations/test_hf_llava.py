@@ -15,7 +15,7 @@ from visionpe.integrations.hf import (  # noqa: E402
     apply_position_scheme,
     remove_position_scheme,
 )
-from visionpe.integrations.hf.qwen import _HFRotary  # noqa: E402
+from visionpe.integrations.hf.adapter import _HFRotary  # noqa: E402
 
 from .test_hf import GEN, TEXT  # noqa: E402
 

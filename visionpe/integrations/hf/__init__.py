@@ -8,7 +8,10 @@ adapter of the model's family by its class:
   (``"rope_1d"`` is their own scheme).
 
 ``SUPPORTED_MODELS`` maps every supported inner model class to its transformers module; ``QWEN_MODELS`` and
-``ROPE_1D_MODELS`` are the two adapters' tables.
+``ROPE_1D_MODELS`` are the two adapters' tables. All three are read from the family table
+(:data:`visionpe.integrations.hf.families.FAMILIES`), which says for each model where its ids, rotary and attention
+live and which of its methods the adapters replace (per instance: transformers' modules are never patched).
+
 
 Beside the language model's positions: :mod:`visionpe.integrations.hf.packing` packs Qwen-VL samples into one row
 for varlen training (:class:`QwenVLPackingCollator`), and :mod:`visionpe.integrations.hf.vision_tower` swaps or
@@ -33,7 +36,7 @@ except ImportError as err:
 from torch import nn
 
 from . import llava, qwen
-from .llava import find_model, outer_name
+from .families import FAMILIES, find_model, models_of, outer_name
 from .packing import QwenVLPackingCollator, check_packable, pack_qwen_vl_features
 from .vision_tower import (
     VisionTowerRotary,
@@ -59,18 +62,18 @@ __all__ = [
     "vision_tower",
 ]
 
-QWEN_MODELS = dict(qwen.SUPPORTED_MODELS)
-ROPE_1D_MODELS = dict(llava.SUPPORTED_MODELS)
-# inner model class name -> transformers module, for every model either adapter supports
-SUPPORTED_MODELS = {**QWEN_MODELS, **ROPE_1D_MODELS}
+QWEN_MODELS = models_of(qwen.ADAPTER)
+ROPE_1D_MODELS = models_of(llava.ADAPTER)
+# inner model class name -> transformers module, for every model either adapter supports (the family table's rows)
+SUPPORTED_MODELS = models_of()
+_ADAPTERS = {qwen.ADAPTER: qwen, llava.ADAPTER: llava}
 
 
 def _adapter(model: Any):
-    """The adapter module for ``model``'s class; TypeError listing every supported class otherwise."""
-    if find_model(model, QWEN_MODELS) is not None:
-        return qwen
-    if find_model(model, ROPE_1D_MODELS) is not None:
-        return llava
+    """The adapter module for ``model``'s class (its family's); TypeError listing every supported class otherwise."""
+    found = find_model(model, SUPPORTED_MODELS)
+    if found is not None:
+        return _ADAPTERS[FAMILIES[found[1]].adapter]
     supported = ", ".join(f"{name} (or {outer_name(name)})" for name in SUPPORTED_MODELS)
     raise TypeError(f"apply_position_scheme supports {supported}; got {type(model).__name__}")
 

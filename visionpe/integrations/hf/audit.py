@@ -38,7 +38,11 @@ from torch import nn
 
 from ...checks import check_instance, check_int, check_tensor, describe
 from ...multimodal.ids import get_position_ids
-from .qwen import _HFRotary, _inner_model
+from ...multimodal.registry import get_multimodal_scheme
+from .adapter import _HFRotary
+from .families import find_family
+from .layers import split_video_frames
+from .qwen import ADAPTER
 
 __all__ = ["PositionIdsAudit", "audit_position_ids"]
 
@@ -192,7 +196,7 @@ def audit_position_ids(model: nn.Module, inputs: Mapping[str, Any], *, decode_st
         >>> assert audit.equal, str(audit)  # doctest: +SKIP
     """
     try:
-        vl_model, class_name = _inner_model(model)
+        vl_model, family = find_family(model, ADAPTER)
     except TypeError as err:
         raise TypeError(
             f"model must be a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model (a *ForConditionalGeneration or its inner "
@@ -214,25 +218,18 @@ def audit_position_ids(model: nn.Module, inputs: Mapping[str, Any], *, decode_st
     batch, length = ids.shape
     image_grid, video_grid = inputs.get("image_grid_thw"), inputs.get("video_grid_thw")
     spg = inputs.get("second_per_grid_ts")
-    vision_config = vl_model.config.vision_config
-    merge = int(vision_config.spatial_merge_size)
+    merge = int(getattr(vl_model.config.vision_config, family.merge_size))
 
-    # visionpe's reference for the model's own scheme, with transformers 5.x's rules
-    options: dict[str, Any] = {"continuation": "spatial_extent"}
+    # visionpe's reference for the model's own scheme (its family's), with transformers 5.x's rules
+    scheme = family.own_scheme
+    entry = get_multimodal_scheme(scheme)
+    options = entry.with_model_defaults({"continuation": "spatial_extent"}, vl_model.config)
     per_call: dict[str, Any] = {}
+    if video_grid is not None and "second_per_grid_ts" in entry.call_inputs:  # Qwen2.5-VL: 1 without timing
+        per_call["second_per_grid_ts"] = spg if spg is not None else [1.0] * len(video_grid)
     ref_video = video_grid
-    if class_name == "Qwen2VLModel":
-        scheme = "mrope"
-    elif class_name == "Qwen2_5_VLModel":
-        scheme = "mrope_abs_time"
-        options["tokens_per_second"] = float(vision_config.tokens_per_second)
-        if video_grid is not None:
-            per_call["second_per_grid_ts"] = spg if spg is not None else [1.0] * len(video_grid)
-    else:
-        scheme = "mrope_interleaved"
-        if video_grid is not None:  # frames are single-frame blocks with timestamp text between them
-            ref_video = torch.repeat_interleave(video_grid, video_grid[:, 0], dim=0)
-            ref_video[:, 0] = 1
+    if family.split_videos and video_grid is not None:  # frames are single-frame blocks with timestamp text between
+        ref_video = split_video_frames(video_grid)
     ref_pos, ref_delta = get_position_ids(
         scheme,
         types,
@@ -260,7 +257,7 @@ def audit_position_ids(model: nn.Module, inputs: Mapping[str, Any], *, decode_st
         vl_model.rope_deltas = saved_deltas
 
     common = dict(
-        model=class_name,
+        model=family.model,
         transformers_version=transformers.__version__,
         scheme=scheme,
         options=options,

@@ -39,6 +39,11 @@ Schemes whose ids differ per decoder layer (``pype``, ``circle_rope`` with ``age
 rule after a text token; a prompt that ends with a visual token (where the next id is not the last + 1) or with
 padding (right padding) raises. ``bipe`` advances its id only after a separator token: its generated ids are
 rewritten before each step from the tokens generated so far (greedy and sampling; beams keep transformers' +1).
+
+Where each model keeps its ids, rotary and attention, which of its methods the adapter replaces and how its
+placeholder runs are laid out is the model's row of :data:`~visionpe.integrations.hf.families.FAMILIES`; the steps
+shared with the Qwen-VL adapter are in :mod:`~visionpe.integrations.hf.adapter`. Everything is patched on the model
+instance: another model of the same class in the process keeps transformers' own behaviour.
 """
 
 from __future__ import annotations
@@ -46,71 +51,48 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-import types
 from typing import Any
 
 import torch
 from torch import nn
 
 from ...checks import check_tensor
-from ...multimodal.bipe import BIPE_SEPARATOR_IDS
 from ...multimodal.design import parse_layout
 from ...multimodal.ids import get_position_ids
-from ...multimodal.registry import get_multimodal_scheme
+from ...multimodal.registry import MultimodalScheme
 from ...multimodal.rotary import MultimodalRotary
-from .compat import check_transformers, require_interface
-from .qwen import (
-    _ALLOCATION_DEFAULTS,
-    _check_design_options,
-    _checked_section,
-    _dispatching_apply,
-    _HFRotary,
-    _restore_methods,
-    _scaled_section,
+from .adapter import (
+    Adapter,
+    PatchState,
+    Prepared,
+    apply_scheme,
+    bind_arguments,
+    check_design_options,
+    checked_section,
+    own_method,
+    own_rotary,
+    remove_scheme,
+    rotary_options,
+    state_of,
 )
-from .qwen import (
-    find_model as _find_model,
-)
+from .families import VLMFamily, find_model, models_of, outer_name
 
-__all__ = ["apply_position_scheme", "remove_position_scheme", "SUPPORTED_MODELS", "OWN_SCHEME", "find_model"]
+__all__ = [
+    "apply_position_scheme",
+    "remove_position_scheme",
+    "SUPPORTED_MODELS",
+    "OWN_SCHEME",
+    "find_model",
+    "outer_name",
+]
 
-# class name of the inner model -> transformers module that defines it
-SUPPORTED_MODELS = {
-    "LlavaModel": "transformers.models.llava.modeling_llava",
-    "LlavaOnevisionModel": "transformers.models.llava_onevision.modeling_llava_onevision",
-    "InternVLModel": "transformers.models.internvl.modeling_internvl",
-}
-OWN_SCHEME = "rope_1d"  # the scheme that gives these models' own position ids
-_ROTARY_OPTIONS = ("mrope_section",)
-# design options that describe one batch: read from each call (input_ids) or not supported by this adapter
-_PER_CALL_OPTIONS = ("input_ids", "clusters", "weights", "second_per_grid_ts")
-_STATE = "_visionpe_rope_1d_adapter"  # attribute of the inner model that holds the adapter's state
+
+ADAPTER = "llava"
+# class name of the inner model -> transformers module that defines it (the families this adapter runs)
+SUPPORTED_MODELS = models_of(ADAPTER)
+OWN_SCHEME = "rope_1d"  # the scheme that gives these models' own position ids (every row's own_scheme)
 _VISUAL_INPUTS = ("pixel_values", "pixel_values_videos", "mm_encoder_outputs")
-# instance attributes that apply_position_scheme sets: (on the outer model?, name)
-_PATCHED_METHODS = (
-    (False, "forward"),
-    (True, "_prepare_position_ids_for_generation"),
-    (True, "prepare_inputs_for_generation"),
-)
-
-
-def outer_name(inner: str) -> str:
-    """``LlavaModel`` -> ``LlavaForConditionalGeneration`` (the naming every supported family follows)."""
-    return inner[: -len("Model")] + "ForConditionalGeneration"
-
-
-def find_model(model: Any, table: dict[str, str] | None = None) -> tuple[nn.Module, str] | None:
-    """(inner model, its class name) when ``model`` or ``model.model`` is an instance of a class of ``table``
-    (``SUPPORTED_MODELS`` by default; classes missing from the installed transformers are skipped), else None."""
-    return _find_model(model, SUPPORTED_MODELS if table is None else table)
-
-
-def _inner_model(model: nn.Module) -> tuple[nn.Module, str]:
-    found = find_model(model)
-    if found is None:
-        supported = ", ".join(f"{n} (or {outer_name(n)})" for n in SUPPORTED_MODELS)
-        raise TypeError(f"apply_position_scheme supports {supported}; got {type(model).__name__}")
-    return found
+_TILES, _ANYRES = "tiles", "anyres"  # family.visual_layout: a run is one image of tiles / LLaVA-OneVision's views
 
 
 def _pair(value: Any, name: str) -> tuple[int, int]:
@@ -130,28 +112,26 @@ def _runs(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return first, last - first + 1
 
 
-class _Adapter:
+class _Adapter(PatchState):
     """The state of a patched model: the scheme, its options and how the model family lays out its visual tokens."""
 
     def __init__(
         self,
-        vl_model: nn.Module,
-        family: str,
-        scheme: str,
+        entry: MultimodalScheme,
         options: dict[str, Any],
+        family: VLMFamily,
+        vl_model: nn.Module,
         multi_row: bool,
-        separators: tuple[int, ...] | None,
-        originals: dict[str, Any],
     ) -> None:
+        super().__init__(entry, options, family)
         config = vl_model.config
-        self.family, self.scheme, self.options, self.multi_row = family, scheme, options, multi_row
-        self.separators = separators  # bipe: ids after which the position advances (else None: every token)
-        entry = get_multimodal_scheme(scheme)
-        self.takes_input_ids = "input_ids" in entry.design_options()
-        self.block_mask = bool(getattr(entry, "block_mask", False))  # CCA: the mask changes inside visual blocks
-        self.originals = originals
+        self.multi_row = multi_row
+        # bipe: ids after which the position advances (else None: every token)
+        self.separators = None if entry.advance_tokens is None else entry.advance_tokens(self.options)
+        self.takes_input_ids = "input_ids" in entry.call_inputs
+        self.block_mask = entry.block_mask  # CCA: the mask changes inside visual blocks
         self.image_token_id = int(config.image_token_id)
-        video = getattr(config, "video_token_id", None) if family == "LlavaOnevisionModel" else None
+        video = getattr(config, "video_token_id", None) if family.video_tokens else None
         self.video_token_id = None if video is None else int(video)
         self.rope_deltas: torch.Tensor | None = None  # of the last prefill, for cached forwards without ids
 
@@ -182,7 +162,7 @@ class _Adapter:
         if given.numel() and (given.min() < 0 or given.max() > highest):
             raise ValueError(
                 f"mm_token_type_ids must hold 0 (text) or 1 (image){' or 2 (video)' if highest == 2 else ''} for "
-                f"{self.family}, got values {sorted(set(given.unique().tolist()))}"
+                f"{self.family.model}, got values {sorted(set(given.unique().tolist()))}"
             )
         return given.long()
 
@@ -190,21 +170,22 @@ class _Adapter:
         self, vl_model: nn.Module, types_: torch.Tensor, inputs: dict[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Token types (newline tokens relabelled as text) and the (G, 3) image and video grids, merged."""
-        if self.family == "LlavaOnevisionModel":
-            return _onevision_layout(vl_model, types_, inputs)
+        if self.family.visual_layout == _ANYRES:
+            return _onevision_layout(vl_model, self.family, types_, inputs)
+        tiles = self.family.visual_layout == _TILES  # InternVL: a run is one image of tiles, else whole images
         config = vl_model.config
         vision = config.vision_config
         size = _pair(vision.image_size, "vision_config.image_size")
         patch = _pair(vision.patch_size, "vision_config.patch_size")
         height, width = size[0] // patch[0], size[1] // patch[1]
-        if self.family == "InternVLModel":
+        if tiles:
             ratio = float(config.downsample_ratio)
             height, width = int(height * ratio), int(width * ratio)
         starts, lengths = _runs(types_ == 1)
         if not len(starts):
             return types_, None, None
         per = height * width
-        unit = "image" if self.family == "LlavaModel" else "tile"
+        unit = "tile" if tiles else "image"
         bad = lengths % per != 0
         if bad.any():
             r = int(bad.nonzero()[0])
@@ -212,7 +193,7 @@ class _Adapter:
             hint = (
                 " (vision_feature_select_strategy='full' keeps a CLS token, and image_sizes of Pixtral-style towers "
                 "split an image into rows: neither is a grid this adapter supports)"
-                if self.family == "LlavaModel"
+                if not tiles
                 else ""
             )
             raise ValueError(
@@ -220,10 +201,10 @@ class _Adapter:
                 f"position {pos}, which is not a whole number of {unit}s of {height}x{width} = {per} tokens{hint}"
             )
         count = lengths // per
-        if self.family == "LlavaModel":  # every image is one (1, h, w) grid, several may follow each other
-            grid = torch.tensor([[1, height, width]]).repeat(int(count.sum()), 1)
-        else:  # InternVL: one image per run, its tiles as the grid's t
+        if tiles:  # InternVL: one image per run, its tiles as the grid's t
             grid = torch.stack([count, torch.full_like(count, height), torch.full_like(count, width)], 1)
+        else:  # LLaVA: every image is one (1, h, w) grid, several may follow each other
+            grid = torch.tensor([[1, height, width]]).repeat(int(count.sum()), 1)
         return types_, grid.to(types_.device), None
 
     def _inputs(
@@ -281,7 +262,7 @@ class _Adapter:
 
         types_, image_grid, video_grid, options = self._inputs(vl_model, input_ids, given_types, mask, inputs)
         layout = parse_layout(types_, image_grid, video_grid, mask, 1)
-        design = get_multimodal_scheme(self.scheme).run_design(layout, options)
+        design = self.entry.run_design(layout, options)
         return additive_mask(visual_block_mask(layout, design.local[0]), dtype)
 
     # ------------------------------------------------------------------------------------------------- ids
@@ -352,13 +333,13 @@ class _Adapter:
 
 
 def _onevision_layout(
-    vl_model: nn.Module, types_: torch.Tensor, inputs: dict[str, Any]
+    vl_model: nn.Module, family: VLMFamily, types_: torch.Tensor, inputs: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """LLaVA-OneVision's image and video blocks (see the module docstring); its newline tokens become text."""
     config = vl_model.config
     vision = config.vision_config
     side = int(vision.image_size) // int(vision.patch_size)
-    modeling = importlib.import_module(SUPPORTED_MODELS["LlavaOnevisionModel"])
+    modeling = importlib.import_module(family.module)
     flat = types_.reshape(-1)
     text = []  # flat indices of newline tokens
     image_grid, video_grid = [], []
@@ -433,33 +414,8 @@ def _onevision_layout(
     )
 
 
-_FEATURE = "visionpe's 1-D RoPE adapter (LLaVA, LLaVA-OneVision, InternVL)"
-
-
-def _check_interface(model: nn.Module, vl_model: nn.Module, family: str) -> None:
-    """The installed transformers' release and the methods the adapter replaces or calls, with the arguments it
-    passes by name (a ``**kwargs`` in transformers would swallow a renamed one, e.g. ``cache``, silently)."""
-    check_transformers(_FEATURE)
-    ids = ("input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds")
-    require_interface(_FEATURE, type(vl_model), "forward", ids)
-    if model is not vl_model:
-        require_interface(
-            _FEATURE, type(model), "_prepare_position_ids_for_generation", ("inputs_tensor", "model_kwargs")
-        )
-        names = ("input_ids", "next_sequence_length", "cache", "attention_mask", "inputs_embeds", "is_first_iteration")
-        require_interface(_FEATURE, type(model), "prepare_inputs_for_generation", names)
-    if family == "LlavaOnevisionModel":  # the anyres layout is computed with the model's own functions
-        modeling = importlib.import_module(SUPPORTED_MODELS[family])
-        require_interface(_FEATURE, modeling, "get_anyres_image_grid_shape")
-        require_interface(_FEATURE, modeling, "unpad_image")
-
-
-def _state_of(vl_model: nn.Module | None) -> _Adapter | None:
-    return None if vl_model is None else vl_model.__dict__.get(_STATE)
-
-
-def _check_attention(vl_model: nn.Module) -> None:
-    implementation = getattr(vl_model.language_model.config, "_attn_implementation", None) or ""
+def _check_attention(vl_model: nn.Module, family: VLMFamily) -> None:
+    implementation = getattr(family.language(vl_model).config, "_attn_implementation", None) or ""
     if "flash" in implementation:
         raise ValueError(
             f"visionpe schemes need sdpa or eager attention in the language model, got {implementation!r}: "
@@ -467,27 +423,20 @@ def _check_attention(vl_model: nn.Module) -> None:
         )
 
 
-def _own_method(obj: nn.Module, name: str, state: _Adapter | None) -> Any:
-    """``obj``'s method ``name`` as it was before patching: a shadowed instance attribute, else the class's."""
-    previous = state.originals.get(name) if state is not None else None
-    return previous if previous is not None else getattr(type(obj), name).__get__(obj)
-
-
 def _forward(self, *args: Any, **kwargs: Any) -> Any:
     """Per-instance ``forward`` of a patched inner model: the scheme's ids and an explicit 2-D attention mask."""
-    state = _state_of(self)
-    own = _own_method(self, "forward", state)
+    state = state_of(self)
+    own = own_method(self, "forward", state)
     if state is None:  # removed through a path that left this attribute
         return own(*args, **kwargs)
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    names = [n for n, p in inspect.signature(own).parameters.items() if p.kind in positional]
-    if len(args) > len(names):
+    if len(args) > sum(p.kind in positional for p in inspect.signature(own).parameters.values()):
         return own(*args, **kwargs)  # transformers raises its own error
-    given = {**dict(zip(names, args, strict=False)), **kwargs}
+    given = bind_arguments(own, args, kwargs)
     types_ = given.pop("mm_token_type_ids", None)
     if "past_key_values" in given and "cache" not in given:
         given["cache"] = given.pop("past_key_values")
-    _check_attention(self)
+    _check_attention(self, state.family)
     input_ids, embeds = given.get("input_ids"), given.get("inputs_embeds")
     source = input_ids if input_ids is not None else embeds
     if source is None or (input_ids is not None and embeds is not None):
@@ -524,8 +473,8 @@ def _forward(self, *args: Any, **kwargs: Any) -> Any:
 
 def _prepare_position_ids_for_generation(self, inputs_tensor: torch.Tensor, model_kwargs: dict[str, Any]):
     """Per-instance ``_prepare_position_ids_for_generation`` of a patched ``*ForConditionalGeneration``."""
-    state = _state_of(getattr(self, "model", None))
-    own = _own_method(self, "_prepare_position_ids_for_generation", state)
+    state = state_of(getattr(self, "model", None))
+    own = own_method(self, "_prepare_position_ids_for_generation", state)
     if state is None:
         return own(inputs_tensor, model_kwargs)
     input_ids = model_kwargs.get("input_ids")
@@ -562,8 +511,8 @@ def _prepare_inputs_for_generation(
 ):
     """Per-instance ``prepare_inputs_for_generation`` (GenerationMixin's arguments, which generate inspects, plus
     ``mm_token_type_ids``); for bipe it first rewrites the ids of the tokens this step feeds."""
-    state = _state_of(getattr(self, "model", None))
-    own = _own_method(self, "prepare_inputs_for_generation", state)
+    state = state_of(getattr(self, "model", None))
+    own = own_method(self, "prepare_inputs_for_generation", state)
     if state is not None and state.separators is not None:
         state.fix_decode_ids(input_ids, kwargs.get("position_ids"), cache)
     if mm_token_type_ids is not None:
@@ -586,6 +535,71 @@ _PATCHES = {
 }
 for _function in _PATCHES.values():
     _function.visionpe_patch = True
+
+
+def _validate(entry: MultimodalScheme, options: dict[str, Any], vl_model: nn.Module, family: VLMFamily) -> None:
+    """What the 1-D RoPE adapter refuses: per-call inputs, ids per decoder layer, K > 1 positions per token and
+    FlashAttention."""
+    per_call = [name for name in options if name in entry.call_inputs]
+    if per_call:
+        raise ValueError(
+            f"{per_call} describe one batch: the adapter reads input_ids from each call and does not take "
+            "clusters, weights or second_per_grid_ts (these models give no timing or token clusters)"
+        )
+    if entry.layer_of is not None:
+        num_layers = int(vl_model.config.text_config.num_hidden_layers)
+        try:
+            per_layer = any(entry.layer_of(layer, options) != 0 for layer in range(num_layers))
+        except ValueError:  # options that cannot place the layers (PyPE without its interval)
+            per_layer = True
+        if per_layer:
+            raise ValueError(
+                f"scheme {entry.name!r} with options {options} gives decoder layers their own ids; the 1-D RoPE "
+                "adapter passes one set of position ids to every layer, so it does not run it"
+            )
+    if entry.representatives(options) != 1:
+        raise ValueError(
+            f"{entry.representatives_option} must be 1 in the 1-D RoPE adapter (K > 1 needs PPERotary's 3K rows), "
+            f"got {entry.representatives(options)!r}"
+        )
+    _check_attention(vl_model, family)
+
+
+def _prepare(
+    entry: MultimodalScheme, options: dict[str, Any], given: dict[str, Any], vl_model: nn.Module, family: VLMFamily
+) -> Prepared:
+    """The options checked on a trial batch, and the rotary where the model's own cannot take the ids: three rows
+    (the allocation's section scaled to the head_dim) or fractional ids (angles in fp64)."""
+    trial = {k: v for k, v in options.items() if k != "tile_grid"}  # tile_grid is checked against each batch
+    check_design_options(entry.name, trial, 1)
+    scalar_options = {k: v for k, v in trial.items() if not isinstance(v, torch.Tensor)}
+    ids, _ = get_position_ids(
+        entry.name, torch.tensor([[0, 1, 0]]), torch.tensor([[1, 1, 1]]), spatial_merge_size=1, **scalar_options
+    )
+    multi_row = entry.allocation != "single_axis"
+    if "mrope_section" in given:
+        checked_section(given["mrope_section"], entry)
+    rotary = None
+    if multi_row or ids.dtype == torch.float64:
+        rope = dict(getattr(vl_model.config.text_config, "rope_parameters", None) or {})
+        if rope.get("rope_type", "default") != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(
+                f"{entry.name!r} replaces the language model's rotary embedding, which supports rope_type 'default' "
+                f"on the full head_dim; the model uses rope_type {rope.get('rope_type')!r}, partial_rotary_factor "
+                f"{rope.get('partial_rotary_factor', 1.0)!r} (rope_1d and integer one-row schemes keep the model's)"
+            )
+        head_dim, rotary_kwargs = rotary_options(entry, given, vl_model, family)
+        rotary = MultimodalRotary.from_scheme(
+            entry.name,
+            head_dim,
+            base=float(rope.get("rope_theta", 10000.0)),
+            attention_scaling=float(getattr(own_rotary(vl_model, family), "attention_scaling", 1.0)),
+            **rotary_kwargs,
+        )
+    return Prepared(_Adapter(entry, options, family, vl_model, multi_row), rotary)
+
+
+_ADAPTER = Adapter(ADAPTER, _validate, _prepare, _PATCHES)
 
 
 def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Module:
@@ -616,106 +630,15 @@ def apply_position_scheme(model: nn.Module, scheme: str, **kwargs: Any) -> nn.Mo
 
     The patched ``forward`` takes ``mm_token_type_ids`` (0 text, 1 image, 2 video), needed only when
     ``inputs_embeds`` come with visual inputs; ``generate`` takes it too. Applying a scheme to a patched model
-    replaces the first one; :func:`remove_position_scheme` undoes the patch.
+    replaces the first one; :func:`remove_position_scheme` undoes the patch. Head-wise allocations (``mhrope``) give
+    each attention module of the patched model a ``forward`` of its own that applies per-head tables
+    (:func:`~visionpe.integrations.hf.adapter.patch_rotary_function`); transformers' modules are unchanged.
 
     Example:
         >>> model = apply_position_scheme(model, "v2pe", delta=0.25)  # doctest: +SKIP
         >>> out = model.generate(**inputs, max_new_tokens=32)  # doctest: +SKIP
     """
-    vl_model, family = _inner_model(model)
-    _check_interface(model, vl_model, family)
-    entry = get_multimodal_scheme(scheme)
-    design = {k: v for k, v in kwargs.items() if k not in _ROTARY_OPTIONS}
-    entry.check_options(design)
-    per_call = [k for k in design if k in _PER_CALL_OPTIONS]
-    if per_call:
-        raise ValueError(
-            f"{per_call} describe one batch: the adapter reads input_ids from each call and does not take "
-            "clusters, weights or second_per_grid_ts (these models give no timing or token clusters)"
-        )
-    layer_of = getattr(entry, "layer_of", None)
-    if layer_of is not None:
-        num_layers = int(vl_model.config.text_config.num_hidden_layers)
-        try:
-            per_layer = any(layer_of(layer, design) != 0 for layer in range(num_layers))
-        except ValueError:  # options that cannot place the layers (PyPE without its interval)
-            per_layer = True
-        if per_layer:
-            raise ValueError(
-                f"scheme {scheme!r} with options {design} gives decoder layers their own ids; the 1-D RoPE adapter "
-                "passes one set of position ids to every layer, so it does not run it"
-            )
-    if design.get("num_representatives", 1) != 1:
-        raise ValueError(
-            f"num_representatives must be 1 in the 1-D RoPE adapter (K > 1 needs PPERotary's 3K rows), "
-            f"got {design['num_representatives']!r}"
-        )
-    _check_attention(vl_model)
-    trial = {k: v for k, v in design.items() if k != "tile_grid"}  # tile_grid is checked against each batch
-    _check_design_options(scheme, trial, 1)
-    scalar_options = {k: v for k, v in trial.items() if not isinstance(v, torch.Tensor)}
-    ids, _ = get_position_ids(
-        scheme, torch.tensor([[0, 1, 0]]), torch.tensor([[1, 1, 1]]), spatial_merge_size=1, **scalar_options
-    )
-    multi_row = entry.allocation != "single_axis"
-    replace_rotary = multi_row or ids.dtype == torch.float64
-    text_config = vl_model.config.text_config
-    language_model = vl_model.language_model
-    current = language_model.rotary_emb
-    original_rotary = current.original if isinstance(current, _HFRotary) else current
-    rotary = None
-    if "mrope_section" in kwargs:
-        section = _checked_section(kwargs["mrope_section"], scheme, entry.allocation)
-    if replace_rotary:
-        rope = dict(getattr(text_config, "rope_parameters", None) or {})
-        if rope.get("rope_type", "default") != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(
-                f"{scheme!r} replaces the language model's rotary embedding, which supports rope_type 'default' on "
-                f"the full head_dim; the model uses rope_type {rope.get('rope_type')!r}, partial_rotary_factor "
-                f"{rope.get('partial_rotary_factor', 1.0)!r} (rope_1d and integer one-row schemes keep the model's)"
-            )
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        rotary_kwargs: dict[str, Any] = {}
-        if "mrope_section" in kwargs:
-            rotary_kwargs["mrope_section"] = section
-        elif entry.allocation in _ALLOCATION_DEFAULTS:
-            rotary_kwargs["mrope_section"] = _scaled_section(
-                _ALLOCATION_DEFAULTS[entry.allocation], head_dim // 2, interleaved=entry.allocation == "interleaved"
-            )
-        if entry.allocation == "head":
-            rotary_kwargs["num_kv_heads"] = text_config.num_key_value_heads
-        rotary = MultimodalRotary.from_scheme(
-            scheme,
-            head_dim,
-            base=float(rope.get("rope_theta", 10000.0)),
-            attention_scaling=float(getattr(original_rotary, "attention_scaling", 1.0)),
-            **rotary_kwargs,
-        )
-    separators = None
-    if "separator_ids" in entry.design_options():
-        separators = tuple(torch.as_tensor(design.get("separator_ids", BIPE_SEPARATOR_IDS)).reshape(-1).tolist())
-
-    # Everything above only reads the model; from here on it is patched.
-    remove_position_scheme(model)
-    outer = model if model is not vl_model else None
-    targets = {name: (outer if on_outer else vl_model) for on_outer, name in _PATCHED_METHODS}
-    originals = {name: obj.__dict__.get(name) for name, obj in targets.items() if obj is not None}
-    state = _Adapter(vl_model, family, scheme, design, multi_row, separators, originals)
-    vl_model.__dict__[_STATE] = state
-    for name, obj in targets.items():
-        if obj is not None:
-            setattr(obj, name, types.MethodType(_PATCHES[name], obj))
-    if rotary is not None:
-        language_model.rotary_emb = _HFRotary(rotary, original_rotary).to(original_rotary.inv_freq.device)
-        if rotary.per_head:
-            modeling = importlib.import_module(type(language_model).__module__)
-            if hasattr(modeling, "apply_rotary_pos_emb") and not hasattr(
-                modeling.apply_rotary_pos_emb, "visionpe_original"
-            ):
-                modeling.apply_rotary_pos_emb = _dispatching_apply(modeling.apply_rotary_pos_emb)
-    model.visionpe_scheme = scheme
-    vl_model.visionpe_scheme = scheme
-    return model
+    return apply_scheme(_ADAPTER, model, scheme, kwargs)
 
 
 def remove_position_scheme(model: nn.Module) -> nn.Module:
@@ -733,12 +656,4 @@ def remove_position_scheme(model: nn.Module) -> nn.Module:
     Returns:
         The same model.
     """
-    vl_model, _ = _inner_model(model)
-    state = vl_model.__dict__.pop(_STATE, None)
-    _restore_methods(model, vl_model, _PATCHED_METHODS, state.originals if state is not None else {})
-    rotary = vl_model.language_model.rotary_emb
-    if isinstance(rotary, _HFRotary):
-        vl_model.language_model.rotary_emb = rotary.original
-    for obj in (model, vl_model):
-        obj.__dict__.pop("visionpe_scheme", None)
-    return model
+    return remove_scheme(model, ADAPTER)

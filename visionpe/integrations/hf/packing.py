@@ -34,7 +34,9 @@ from torch import nn
 from ...checks import check_bool, check_instance, check_int
 from ...multimodal.ids import get_position_ids
 from ...multimodal.registry import get_multimodal_scheme
-from .qwen import _ROTARY_OPTIONS, _inner_model
+from .adapter import ROTARY_OPTIONS
+from .families import find_family
+from .qwen import ADAPTER
 
 __all__ = ["pack_qwen_vl_features", "QwenVLPackingCollator", "check_packable"]
 
@@ -291,22 +293,20 @@ class QwenVLPackingCollator:
         config unless given, as the adapter does. Pass the same options as to ``apply_position_scheme``
         (``mrope_section``, an option of the rotary, is ignored here).
         """
-        vl_model, class_name = _inner_model(model)
+        vl_model, family = find_family(model, ADAPTER)
         scheme = getattr(vl_model, "visionpe_scheme", None)
         if scheme is None:
             raise ValueError(
                 f"model ({type(model).__name__}) has no visionpe scheme: call apply_position_scheme(model, scheme) "
                 "first, or build QwenVLPackingCollator(scheme, ...) directly"
             )
-        vision_config = vl_model.config.vision_config
         # the rotary's own options (mrope_section) are the model's business, not the ids'
-        scheme_options = {k: v for k, v in scheme_options.items() if k not in _ROTARY_OPTIONS}
-        if scheme == "mrope_abs_time" and "tokens_per_second" not in scheme_options:
-            scheme_options["tokens_per_second"] = float(getattr(vision_config, "tokens_per_second", 2))
+        scheme_options = {k: v for k, v in scheme_options.items() if k not in ROTARY_OPTIONS}
+        scheme_options = get_multimodal_scheme(scheme).with_model_defaults(scheme_options, vl_model.config)
         return cls(
             scheme,
-            spatial_merge_size=int(vision_config.spatial_merge_size),
-            split_video_frames=class_name == "Qwen3VLModel",
+            spatial_merge_size=int(getattr(vl_model.config.vision_config, family.merge_size)),
+            split_video_frames=family.split_videos,
             ignore_index=ignore_index,
             **scheme_options,
         )
