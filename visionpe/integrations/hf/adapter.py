@@ -53,6 +53,7 @@ __all__ = [
     "checked_section",
     "scaled_section",
     "rotary_options",
+    "check_rotary_patch",
     "patch_rotary_function",
     "unpatch_rotary_function",
     "check_rotary_function",
@@ -398,25 +399,36 @@ def _forward_with(cls: type, name: str, value: Any) -> Any:
     return forward
 
 
-def patch_rotary_function(module: nn.Module, name: str, function: Callable[..., Any]) -> None:
-    """Give ``module`` (an attention module) a per-instance ``forward``: its class's, calling ``function`` where it
-    calls the global ``name`` of its modeling module. The module, its class and every other instance are unchanged.
+def check_rotary_patch(module: nn.Module, name: str, function: Callable[..., Any]) -> None:
+    """Raise what :func:`patch_rotary_function` would raise for these arguments, without patching anything.
 
     Raises:
-        ValueError: when ``module`` already has a ``forward`` of its own (a hook that wraps it), which this would
+        ValueError: when ``module`` already has a ``forward`` of its own (a hook that wraps it), which the patch would
             replace.
-        UnsupportedTransformersError: when the class's ``forward`` never calls ``name``.
+        UnsupportedTransformersError: when its class's ``forward`` never calls the global ``name``.
     """
     check_instance(module, "module", nn.Module, expected="a torch.nn.Module")
     check_instance(name, "name", str, expected="a global name (str)")
     if not callable(function):
         raise TypeError(f"function must be callable, got {type(function).__name__}")
     current = module.__dict__.get("forward")
-    if current is not None and not getattr(current, "visionpe_patch", False):
+    if current is not None and getattr(current, "visionpe_global", None) is None:
         raise ValueError(
             f"{type(module).__name__} has a forward of its own ({current!r}), which a head-wise scheme would replace "
             "to apply per-head tables: apply the scheme before adding hooks that wrap forward"
         )
+    _forward_with(type(module), name, function)
+
+
+def patch_rotary_function(module: nn.Module, name: str, function: Callable[..., Any]) -> None:
+    """Give ``module`` (an attention module) a per-instance ``forward``: its class's, calling ``function`` where it
+    calls the global ``name`` of its modeling module. The modeling module, the class and every other instance are
+    unchanged; :func:`unpatch_rotary_function` undoes it. Raises as :func:`check_rotary_patch`.
+
+    Example:
+        >>> patch_rotary_function(attention, "apply_rotary_pos_emb", my_apply)  # doctest: +SKIP
+    """
+    check_rotary_patch(module, name, function)
     module.forward = types.MethodType(_forward_with(type(module), name, function), module)
 
 
@@ -428,13 +440,9 @@ def unpatch_rotary_function(module: nn.Module) -> None:
 
 
 def check_rotary_function(vl_model: nn.Module, family: VLMFamily) -> None:
-    """Raise, before patching, what :func:`patch_rotary_function` would raise on ``vl_model``'s attention."""
+    """Raise, before patching, what :func:`patch_rotary_function` would raise on ``vl_model``'s attention modules
+    for a head-wise scheme."""
     for attention in family.attentions(vl_model):
-        current = attention.__dict__.get("forward")
-        if current is not None and not getattr(current, "visionpe_patch", False):
-            raise ValueError(
-                f"{type(attention).__name__} has a forward of its own ({current!r}), which a head-wise scheme would "
-                "replace to apply per-head tables: apply the scheme before adding hooks that wrap forward"
-            )
-        apply = _per_head_apply(type(attention).__module__, family.rotary_function)
-        _forward_with(type(attention), family.rotary_function, apply)
+        check_rotary_patch(
+            attention, family.rotary_function, _per_head_apply(type(attention).__module__, family.rotary_function)
+        )

@@ -24,9 +24,11 @@ Qwen2.5-VL then permutes the rows of what it returns into its window-attention o
 along: the patch coordinates in the scheme's coordinate mode and the (h, w) grid of the patch's image (from
 ``grid_thw``, which a hook on the tower records for the duration of its forward). A hook on each block's attention
 turns them into that block's cos/sin (so per-layer frequencies such as RoPE-Mixed's work), and schemes with
-per-head frequencies get (N, heads, d) tables, which the model family's ``apply_rotary_pos_emb_vision`` is extended
-to take (once per process; the tower's own (N, d) tables go to the original function). Nothing loops over the
-images: coordinates and frequencies are built once per distinct image size and gathered per token.
+per-head frequencies get (N, heads, d) tables, which each block's attention of the patched tower applies through a
+``forward`` of its own: its class's, with ``apply_rotary_pos_emb_vision`` extended to per-head tables
+(:func:`~visionpe.integrations.hf.adapter.patch_rotary_function`; transformers' module and every other model are
+unchanged). Nothing loops over the images: coordinates and frequencies are built once per distinct image size and
+gathered per token.
 
 Extrapolation (``extrapolation="pi" | "ntk" | "yarn" | "riflex"`` with ``base_grid=(h0, w0)``, the training grid in
 patches): each image is scaled against ``base_grid`` with its own factors s_a = max(1, n_a / n0_a) per axis (rows
@@ -60,6 +62,7 @@ from ...rotary.base import LinearRotary
 from ...rotary.functional import rotary_angles
 from ...rotary.rope_mixed import RopeMixed
 from ...rotary.scaling import EXTRAPOLATION_MODES
+from .adapter import check_rotary_patch, patch_rotary_function, unpatch_rotary_function
 from .compat import check_transformers, require_interface
 
 __all__ = [
@@ -170,19 +173,24 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _per_head_apply(original):
-    """The modeling module's ``apply_rotary_pos_emb_vision`` extended to per-head (N, heads, head_dim) tables."""
+_APPLY = "apply_rotary_pos_emb_vision"  # the global with which the towers' attention applies (cos, sin)
+
+
+@functools.cache
+def _per_head_apply(module_name: str):
+    """``apply_rotary_pos_emb_vision`` of the modeling module ``module_name`` extended to per-head
+    (N, heads, head_dim) tables; other tables go to the module's function as it is when called."""
+    modeling = importlib.import_module(module_name)
 
     def apply_rotary_pos_emb_vision(q, k, cos, sin):
         if cos.ndim != 3:  # the tower's own (N, head_dim) tables, and visionpe's shared by the heads
-            return original(q, k, cos, sin)
+            return getattr(modeling, _APPLY)(q, k, cos, sin)
         # visionpe's per-head tables against q, k (N, heads, head_dim), in fp32 as the original
         cos, sin = cos.float(), sin.float()
         q_out = q.float() * cos + _rotate_half(q.float()) * sin
         k_out = k.float() * cos + _rotate_half(k.float()) * sin
         return q_out.to(q.dtype), k_out.to(k.dtype)
 
-    apply_rotary_pos_emb_vision.visionpe_original = original
     return apply_rotary_pos_emb_vision
 
 
@@ -380,6 +388,10 @@ def _check_scheme_class(cls: type, given: Any) -> None:
         )
 
 
+# vision schemes that take their defaults from the tower's own rotary: name -> (the options it gives, its function)
+_TOWER_DEFAULTS = {"rope_axial": (("base", "axis_order"), own_vision_rope_options)}
+
+
 def _build_scheme(
     scheme: str | nn.Module,
     tower: nn.Module,
@@ -400,8 +412,9 @@ def _build_scheme(
             if name in options and value is not None:
                 raise ValueError(f"{name} is set by apply_vision_rope's own argument; got it in the options as well")
         opts = dict(options)
-        if scheme == "rope_axial" and not {"base", "axis_order"} <= opts.keys():  # the tower's own unless told
-            for key, value in own_vision_rope_options(tower).items():
+        own = _TOWER_DEFAULTS.get(scheme)  # the tower's own options unless told (its RoPE is axial)
+        if own is not None and not set(own[0]) <= opts.keys():
+            for key, value in own[1](tower).items():
                 opts.setdefault(key, value)
         if mode is not None:
             opts["extrapolation"] = mode
@@ -522,11 +535,14 @@ def apply_vision_rope(
             built.freqs.copy_(axial.flip(0)[:, None, None].expand_as(built.freqs))
     attn_module = importlib.import_module(type(tower.blocks[0].attn).__module__)
     per_head = built.frequencies().shape[1] > 1
-    if per_head and not hasattr(attn_module, "apply_rotary_pos_emb_vision"):
+    if per_head and not hasattr(attn_module, _APPLY):
         raise ValueError(
             f"the scheme has per-head frequencies, which {attn_module.__name__} cannot apply (it has no "
-            "apply_rotary_pos_emb_vision); choose a scheme whose heads share their frequencies"
+            f"{_APPLY}); choose a scheme whose heads share their frequencies"
         )
+    if per_head:  # each block's attention gets a forward that applies them (raises for one it cannot patch)
+        for block in tower.blocks:
+            check_rotary_patch(block.attn, _APPLY, _per_head_apply(type(block.attn).__module__))
     # Everything above only reads the model; from here on it is patched.
     current = tower.rotary_pos_emb
     original = _own_rotary(tower)
@@ -538,17 +554,18 @@ def apply_vision_rope(
         wrapper.scheme.to(device.device)
     tower.rotary_pos_emb = wrapper
     wrapper.attach(tower)
-    if per_head and not hasattr(attn_module.apply_rotary_pos_emb_vision, "visionpe_original"):
-        attn_module.apply_rotary_pos_emb_vision = _per_head_apply(attn_module.apply_rotary_pos_emb_vision)
+    for block in tower.blocks:
+        unpatch_rotary_function(block.attn)  # an earlier per-head scheme's
+        if per_head:
+            patch_rotary_function(block.attn, _APPLY, _per_head_apply(type(block.attn).__module__))
     tower.visionpe_vision_rope = getattr(built, "scheme_name", type(built).__name__)
     return model
 
 
 def remove_vision_rope(model: nn.Module) -> nn.Module:
     """Undo :func:`apply_vision_rope`, in place: the tower's own rotary module is back and every hook is removed, so
-    the outputs equal the unpatched model's exactly. A model that is not patched is returned unchanged. The
-    process-wide ``apply_rotary_pos_emb_vision`` extension for per-head tables stays: it passes the tower's own
-    tables to the original.
+    the outputs equal the unpatched model's exactly, and the attention ``forward`` given for per-head schemes are
+    removed. A model that is not patched is returned unchanged.
 
     Args:
         model: a model accepted by :func:`vision_tower`.
@@ -561,5 +578,7 @@ def remove_vision_rope(model: nn.Module) -> nn.Module:
     if isinstance(current, VisionTowerRotary):
         current.detach()
         tower.rotary_pos_emb = current.original
+    for block in tower.blocks:
+        unpatch_rotary_function(block.attn)
     tower.__dict__.pop("visionpe_vision_rope", None)
     return model
