@@ -3,8 +3,12 @@
 A scheme that is registered is covered by every generic test (forward/backward, shapes, dtypes, hostile input,
 export, compile, determinism, checkpoints, numerics, properties, patch dropout, models) without editing them: the
 lists below are derived from :func:`visionpe.list_schemes` and from attributes of the scheme classes when the test
-modules are collected. ``tests/test_custom_scheme.py`` registers a throwaway rotary scheme, imported here so that it
-is in the registry before any test module is collected.
+modules are collected. Four test modules register a throwaway scheme of each kind a contributor adds, imported here
+so that it is in its registry before any test module is collected (and removed when the run ends):
+``tests/test_custom_scheme.py`` a rotary scheme, ``tests/test_custom_bias_scheme.py`` a bias scheme,
+``tests/test_custom_camera_scheme.py`` a camera scheme and ``tests/test_custom_multimodal_design.py`` a multimodal
+design. Each checks that every generic test of its kind collected in the run covers it
+(:func:`uncovered_generic_tests`).
 
 Capabilities a scheme class does not declare are kept as small exception lists here, each with the reason.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from collections import defaultdict
 
 import pytest
 import torch
@@ -22,7 +27,15 @@ import visionpe
 from visionpe.registry import get_scheme_class
 from visionpe.rotary.lie_base import LieBlockRotary
 
-from . import test_custom_scheme  # noqa: F401 - registers the throwaway rotary scheme before collection
+# the throwaway schemes, registered before collection
+from . import test_custom_bias_scheme, test_custom_camera_scheme, test_custom_multimodal_design, test_custom_scheme
+
+THROWAWAY_MODULES = [
+    test_custom_scheme,
+    test_custom_bias_scheme,
+    test_custom_camera_scheme,
+    test_custom_multimodal_design,
+]
 
 # pytest-xdist: each worker process gets its share of the cores for torch's intra-op threads. torch's default (every
 # core in every worker) oversubscribes the machine: on 2 cores with 2 workers a run took about twice as long.
@@ -62,8 +75,10 @@ LIE = [n for n in ROTARY if issubclass(scheme_class(n), LieBlockRotary)]
 # extrapolates with positions normalised by the training grid
 EXTRAPOLATING = [n for n in ROTARY if "pi" in supported_extrapolation(n)]
 EXTRAPOLATION_OPTIONS = {n: {"pos_norm": "train_grid"} for n in EXTRAPOLATING if takes_option(n, "pos_norm")}
-# schemes that take 3D (t, y, x) grids through ``ndim=3``
-VIDEO = [n for n in ALL_SCHEMES if takes_option(n, "ndim")]
+# schemes that take 3D (t, y, x) grids (``grid_ranks``; those with an ``ndim`` option are built with ``ndim=3``)
+VIDEO = [n for n in ALL_SCHEMES if 3 in scheme_class(n).grid_ranks]
+# schemes that read coordinates, so that a training-time ``coord_augment`` applies to them (``consumes_coords``)
+COORD_CONSUMERS = [n for n in ALL_SCHEMES if scheme_class(n).consumes_coords]
 
 
 def _family(name: str) -> str:
@@ -112,6 +127,41 @@ def pytest_itemcollected(item):
     COLLECTED.append(item)
 
 
+def _own(names) -> set[str]:
+    """The names among ``names`` that visionpe itself registers (its class or design defined in the package), not
+    those a program (a test) registers for a while."""
+    from visionpe.multimodal import MULTIMODAL_SCHEMES
+
+    def module(name):
+        if name in MULTIMODAL_SCHEMES:
+            return MULTIMODAL_SCHEMES[name].design.__module__
+        return scheme_class(name).__module__
+
+    return {n for n in names if module(n).startswith("visionpe.")}
+
+
+def uncovered_generic_tests(name: str) -> list[str]:
+    """The test functions collected in this run whose parameters include every scheme of ``name``'s kind that visionpe
+    registers (a generic test of that kind), but not ``name``: a list written out by hand, or one that leaves out
+    schemes defined outside the package. ``name``: a registered scheme or multimodal design."""
+    from visionpe.multimodal import list_multimodal_schemes
+    from visionpe.registry import registered_schemes
+
+    if name in list_multimodal_schemes():
+        same_kind = _own(list_multimodal_schemes())
+    else:
+        same_kind = _own(n for n in registered_schemes() if scheme_class(n).kind == scheme_class(name).kind)
+    params: dict[str, set] = defaultdict(set)
+    for item in COLLECTED:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None:
+            continue
+        values = [v for p in callspec.params.values() for v in (p if isinstance(p, (list, tuple)) else [p])]
+        key = f"{item.module.__name__}::{item.originalname}"
+        params[key] |= {v for v in values if isinstance(v, str)} | set(callspec.id.split("-"))
+    return sorted(key for key, names in params.items() if same_kind <= names and name not in names)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
@@ -150,5 +200,6 @@ def _with_defaults(init, defaults: dict):
 
 
 def pytest_unconfigure(config):
-    """The throwaway scheme leaves the registry with the test run."""
-    test_custom_scheme.unregister()
+    """The throwaway schemes leave their registries with the test run."""
+    for module in THROWAWAY_MODULES:
+        module.unregister()

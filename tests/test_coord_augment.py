@@ -9,23 +9,29 @@ import timm
 import torch
 
 import visionpe
+from visionpe.base import set_coord_augment
+from visionpe.bias.distance import DistanceKernelBias
 from visionpe.grid import (
     CoordAugment,
     grid_coords,
     grid_rows,
     randomized_coords,
     randomized_positions,
-    set_coord_augment,
     shift_jitter_rescale,
     skip_positions,
 )
+
+from .conftest import ALL_SCHEMES, BIAS, COORD_CONSUMERS, scheme_class
 
 GRID = (3, 5)
 SMALL = dict(embed_dim=32, depth=1, num_heads=2, num_classes=0, img_size=(24, 40), patch_size=8)
 IMAGES = torch.randn(1, 3, 24, 40, generator=torch.Generator().manual_seed(1))
 RANDOMIZED = CoordAugment("randomized", max_grid_size=(7, 11))
-# rotary schemes (a shared table, a basis and learned per-layer frequencies), biases, the absolute schemes
-CONSUMERS = ["rope_axial", "string_cayley", "alibi2d", "lookhere", "sincos", "fourier"]
+# every scheme that reads coordinates (``consumes_coords``), and every other one
+CONSUMERS = COORD_CONSUMERS
+NON_CONSUMERS = [n for n in ALL_SCHEMES if n not in COORD_CONSUMERS]
+# the bias schemes that read coordinates: in training with an augmentation their state keeps the drawn coordinates
+BIAS_CONSUMERS = [n for n in BIAS if n in COORD_CONSUMERS]
 
 
 def _model(pos_embed, **kwargs):
@@ -161,6 +167,7 @@ def test_eval_coordinates_are_the_grid(name):
 def test_eval_outputs_equal_a_model_without_augmentation(name):
     augmented = _model(name, coord_augment={"kind": "randomized", "max_grid_size": 9}).eval()
     plain = _model(name).eval()
+    set_coord_augment(plain, None)  # a scheme's own default augmentation too (rope_dinov3's rescale)
     assert augmented.pos_schemes[name].coord_augment == CoordAugment("randomized", max_grid_size=9)
     assert plain.pos_schemes[name].coord_augment is None
     with torch.no_grad():
@@ -196,7 +203,7 @@ def test_an_exactly_relative_scheme_ignores_a_global_shift(name):
         assert not torch.allclose(model.forward_features(IMAGES), reference, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["alibi2d", "kerple_log", "kerple_power", "bam", "lookhere"])
+@pytest.mark.parametrize("name", BIAS_CONSUMERS)
 def test_bias_of_drawn_coordinates_is_the_per_offset_bias_at_grid_coordinates(name):
     """The per-pair path (drawn coordinates) at an identity draw (L = the grid) gives the per-offset tables' bias
     exactly, for every block of query rows."""
@@ -214,8 +221,8 @@ def test_bias_of_drawn_coordinates_is_the_per_offset_bias_at_grid_coordinates(na
     assert type(state).__name__ == "CoordinateState"
     rows = slice(0, 7)
     got, got_rows = scheme.attn_bias(q, q, state, 1), scheme.attn_bias(q[:, :, rows], q, state, 1, rows=rows)
-    if name in ("alibi2d", "lookhere"):  # the same arithmetic on the same distances
-        assert torch.equal(got, expected) and torch.equal(got_rows, expected[:, :, rows])
+    if not issubclass(scheme_class(name), DistanceKernelBias):  # ALiBi, LookHere: the same arithmetic on the same
+        assert torch.equal(got, expected) and torch.equal(got_rows, expected[:, :, rows])  # distances
     else:  # learned kernels (pow, log1p) vectorised over another length: last-bit differences
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(got_rows, expected[:, :, rows], rtol=1e-6, atol=1e-7)
@@ -269,7 +276,7 @@ def test_set_coord_augment_on_a_model_leaves_table_schemes_alone():
     assert model.pos_schemes.rope_axial.coord_augment is None
 
 
-@pytest.mark.parametrize("name", ["learned", "cpe", "irpe", "none"])
+@pytest.mark.parametrize("name", NON_CONSUMERS)
 def test_schemes_that_read_no_coordinates_refuse_an_augmentation(name):
     scheme = visionpe.create_pos_embed(name, dim=32, num_heads=2)
     with pytest.raises(ValueError, match="coord_augment applies to schemes that read coordinates"):

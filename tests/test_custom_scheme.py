@@ -103,6 +103,8 @@ def test_the_generic_tests_collected_in_this_run_cover_it():
             covered.add(module)
     missing = [m for m in GENERIC_MODULES if m in collected and m not in covered]
     assert not missing, f"collected without a test of {NAME}: {missing}"
+    # and every test function parametrized over all of visionpe's rotary schemes runs on this one too
+    assert not conftest.uncovered_generic_tests(NAME)
 
 
 def test_builds_by_name_in_the_timm_model_and_alone():

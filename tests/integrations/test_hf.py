@@ -10,6 +10,8 @@ import torch
 from visionpe.multimodal import get_multimodal_scheme, get_position_ids, list_multimodal_schemes
 from visionpe.multimodal.allocation import interleaved_allocation
 
+from ..multimodal.helpers import IMAGES_ONLY
+
 transformers = pytest.importorskip("transformers")
 from visionpe.integrations.hf import apply_position_scheme, remove_position_scheme  # noqa: E402
 
@@ -140,7 +142,7 @@ def _continue_batch(inputs, sequences):
 )
 def test_every_scheme_runs_changes_logits_and_decodes_consistently(scheme):
     model = tiny_model("qwen2_5_vl")
-    with_video = scheme != "circle_rope"
+    with_video = scheme not in IMAGES_ONLY
     blocks = [IMAGES[0], [(2, (2, 4, 4))] if with_video else IMAGES[1]]
     inputs = batch(blocks)
     if with_video:

@@ -1,10 +1,29 @@
-"""Random multimodal batches and transformers' reference rope index, shared by the multimodal tests."""
+"""Random multimodal batches, transformers' reference rope index and what the designs do with videos, shared by the
+multimodal tests."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import torch
+
+# What a design does with videos, which its registry entry does not declare (MultimodalScheme has no field for it),
+# kept here with the reason; tests/multimodal/test_position_ids.py checks both against what the designs do. Every
+# other design places videos and needs no option for them: a new design is tested with videos without an entry here.
+# - designs that raise on a video
+IMAGES_ONLY = {"circle_rope": "Circle-RoPE's paper defines images only"}
+# - designs that need ``second_per_grid_ts`` (one value per video) whenever there are videos
+NEEDS_TIME = {"mrope_abs_time": "Qwen2.5-VL's temporal ids are absolute times, so every path must give the timing"}
+
+
+def max_videos(scheme: str, count: int = 2) -> int:
+    """``count``, or 0 for a design that places no videos (``IMAGES_ONLY``)."""
+    return 0 if scheme in IMAGES_ONLY else count
+
+
+def video_options(scheme: str, num_videos: int) -> dict:
+    """The options a batch with ``num_videos`` videos needs: ``second_per_grid_ts`` (1 s each) for ``NEEDS_TIME``."""
+    return {"second_per_grid_ts": torch.full((num_videos,), 1.0)} if scheme in NEEDS_TIME else {}
 
 
 def random_batch(

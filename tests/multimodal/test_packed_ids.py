@@ -5,21 +5,11 @@ import torch
 
 from visionpe.multimodal import get_position_ids, list_multimodal_schemes
 
+from .helpers import NEEDS_TIME, max_videos
+
 SCHEME_NAMES = list_multimodal_schemes()
-NEEDS_TIME = {"mrope_abs_time"}  # videos need second_per_grid_ts
 # T T <vs> | 2x3 image | <ve> T, always the last sample, so that a visual block sits at a non-zero packed offset
 IMAGE_SAMPLE = (torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0]]), torch.tensor([[1, 4, 6]]), None)
-
-
-def _takes_videos(scheme):
-    """Whether the scheme places videos (Circle-RoPE's paper defines images only, and it raises on them)."""
-    types, grid = torch.tensor([[0, 2, 2, 2, 2, 0]]), torch.tensor([[2, 2, 4]])
-    options = {"second_per_grid_ts": torch.tensor([1.0])} if scheme in NEEDS_TIME else {}
-    try:
-        get_position_ids(scheme, types, video_grid_thw=grid, **options)
-    except ValueError:
-        return False
-    return True
 
 
 def _random_sample(gen, max_images=2, max_videos=1, merge=2):
@@ -79,7 +69,7 @@ def _time_options(scheme, samples):
 
 @pytest.mark.parametrize("scheme", SCHEME_NAMES)
 def test_packed_rows_equal_each_sample_alone(scheme):
-    samples = _samples(seed=len(scheme), videos=_takes_videos(scheme))
+    samples = _samples(seed=len(scheme), videos=max_videos(scheme) > 0)
     types, image, video, cu = _pack(samples)
     packed_options, sample_options = _time_options(scheme, samples)
     pos, delta = get_position_ids(scheme, types, image, video, cu_seqlens=cu, **packed_options)

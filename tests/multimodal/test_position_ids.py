@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from visionpe.multimodal import get_position_ids, list_multimodal_schemes, sample_hope_scale, sample_v2pe_delta
 
-from .helpers import random_batch
+from .helpers import IMAGES_ONLY, NEEDS_TIME, max_videos, random_batch, video_options
 
 IMAGE_SEQ = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0]])  # T T <vs> | 2x3 image | <ve> T
 IMAGE_GRID = torch.tensor([[1, 4, 6]])
@@ -211,15 +211,30 @@ def test_text_only_reduces_to_1d(scheme):
     assert delta.flatten().tolist() == [0, 0, 0]
 
 
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_what_each_design_does_with_videos_is_what_the_tests_assume(scheme):
+    """tests/multimodal/helpers.py lists the designs that raise on a video and those that need the timing of videos:
+    each does, and every other design places a video without options."""
+    types, grid = torch.tensor([[0, 2, 2, 2, 2, 0]]), torch.tensor([[2, 2, 4]])
+    if scheme in IMAGES_ONLY:
+        with pytest.raises(ValueError, match="video"):
+            get_position_ids(scheme, types, video_grid_thw=grid)
+        return
+    if scheme in NEEDS_TIME:
+        with pytest.raises(ValueError, match="second_per_grid_ts"):
+            get_position_ids(scheme, types, video_grid_thw=grid)
+    pos, _ = get_position_ids(scheme, types, video_grid_thw=grid, **video_options(scheme, 1))
+    assert pos.shape == (3, 1, 6)
+
+
 def _kwargs(scheme, video_count):
-    return {"second_per_grid_ts": torch.full((video_count,), 1.0)} if scheme == "mrope_abs_time" else {}
+    return video_options(scheme, video_count)
 
 
 @pytest.mark.parametrize("scheme", ALL_SCHEMES)
 def test_left_padding_invariance_batched_equals_per_row_and_decode(scheme):
     gen = torch.Generator().manual_seed(zlib.crc32(scheme.encode()) % 1000)  # hash() of a str differs per process
-    videos = 0 if scheme == "circle_rope" else 2
-    types, mask, image, video = random_batch(gen, batch_size=4, max_videos=videos)
+    types, mask, image, video = random_batch(gen, batch_size=4, max_videos=max_videos(scheme))
     n_video = 0 if video is None else len(video)
     pos, delta = get_position_ids(scheme, types, image, video, mask, **_kwargs(scheme, n_video))
     # Per row, without padding: same valid positions and same deltas.
@@ -261,9 +276,7 @@ def test_left_padding_invariance_batched_equals_per_row_and_decode(scheme):
 @given(seed=st.integers(0, 10_000), scheme=st.sampled_from(ALL_SCHEMES), padding=st.sampled_from(["left", "right"]))
 def test_text_positions_strictly_increase(seed, scheme, padding):
     gen = torch.Generator().manual_seed(seed)
-    types, mask, image, video = random_batch(
-        gen, batch_size=3, max_videos=0 if scheme == "circle_rope" else 2, padding=padding
-    )
+    types, mask, image, video = random_batch(gen, batch_size=3, max_videos=max_videos(scheme), padding=padding)
     kw = _kwargs(scheme, 0 if video is None else len(video))
     pos, _ = get_position_ids(scheme, types, image, video, mask, **kw)
     for b in range(types.shape[0]):

@@ -6,6 +6,7 @@ from visionpe.multimodal import (
     MultimodalRotary,
     apply_multimodal_rotary,
     build_allocation,
+    get_multimodal_scheme,
     get_position_ids,
     list_multimodal_schemes,
     rotate_half,
@@ -53,7 +54,16 @@ def rope_1d(positions, head_dim, base, dtype=torch.float):
     return torch.cat((phi, phi), -1).cos(), torch.cat((phi, phi), -1).sin()
 
 
-@pytest.mark.parametrize("scheme", [s for s in list_multimodal_schemes() if s not in ("hope", "mhrope")])
+def _turns_every_pair_by_the_id(scheme):
+    """Whether the scheme's allocation turns every pair by the id on ids equal on every row (its mix rows sum to 1,
+    one table for every head): text-only ids then give 1-D RoPE. Not HoPE (zero-frequency pairs), nor MHRoPE (one
+    table per head, some heads unrotated)."""
+    entry = get_multimodal_scheme(scheme)
+    allocation = build_allocation(entry.allocation, num_pairs=64, num_kv_heads=2, **entry.allocation_kwargs)
+    return not allocation.per_head and torch.equal(allocation.mix.sum(-1), torch.ones(len(allocation.mix)))
+
+
+@pytest.mark.parametrize("scheme", [s for s in list_multimodal_schemes() if _turns_every_pair_by_the_id(s)])
 def test_text_only_equals_1d_rope(scheme):
     """All rows are arange exactly. Integer designs (int64 ids) give transformers' fp32 1-D RoPE bit for bit;
     fractional designs (float64 ids) give 1-D RoPE taken in fp64, rounded once to fp32."""
@@ -247,7 +257,7 @@ def test_build_allocation_name_must_be_a_string():
 @pytest.mark.parametrize("scheme", list_multimodal_schemes())
 def test_low_precision_tables_are_fp32_tables_cast_at_the_end(scheme):
     # the angles are fp32 whatever the table dtype (and under autocast); only cos and sin are cast.
-    kw = {"num_kv_heads": 2} if scheme == "mhrope" else {}
+    kw = {"num_kv_heads": 2} if get_multimodal_scheme(scheme).allocation == "head" else {}  # per-head tables
     rot = MultimodalRotary.from_scheme(scheme, 128, base=1e4, **kw)
     t = 3000.25 + 0.5 * torch.arange(16.0)  # large fractional ids: a bf16 angle would be off by up to 8 rad
     ids = torch.stack([t, t - 1.75, t + 0.125])[:, None].expand(3, 2, 16)

@@ -11,11 +11,17 @@ import pytest
 import torch
 
 import visionpe
-from visionpe.multimodal import MultimodalRotary, apply_multimodal_rotary, get_position_ids, list_multimodal_schemes
+from visionpe.multimodal import (
+    MultimodalRotary,
+    apply_multimodal_rotary,
+    get_multimodal_scheme,
+    get_position_ids,
+    list_multimodal_schemes,
+)
 from visionpe.multimodal.v2pe import V2PE_DELTAS
 from visionpe.rotary.functional import apply_rotary, rotary_angles, rotary_tables
 
-from ..conftest import VIDEO
+from ..conftest import VIDEO, takes_option
 from .helpers import ALL_SCHEMES, ROTARY, perturb_, position_tables, tiny_vit
 
 GRID_1024 = (64, 64)  # 1024 x 1024 pixels, patch 16
@@ -117,7 +123,8 @@ def test_no_nan_or_inf_at_supported_sizes(name):
 def test_no_nan_or_inf_on_video_grids(name):
     """3D (t, y, x) grids of a 32-frame clip at 224 px (16 tubelets of 14 x 14) in bf16."""
     torch.manual_seed(0)
-    scheme = perturb_(visionpe.create_pos_embed(name, dim=64, num_heads=2, depth=1, ndim=3))
+    options = {"ndim": 3} if takes_option(name, "ndim") else {}
+    scheme = perturb_(visionpe.create_pos_embed(name, dim=64, num_heads=2, depth=1, **options))
     grid = (16, 14, 14)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         if scheme.kind == "rotary":
@@ -150,7 +157,7 @@ def _long_context_ids(scheme, **kwargs):
 
 
 def _multimodal_rotary(scheme):
-    extra = {"num_kv_heads": 2} if scheme == "mhrope" else {}
+    extra = {"num_kv_heads": 2} if get_multimodal_scheme(scheme).allocation == "head" else {}  # per-head tables
     return MultimodalRotary.from_scheme(scheme, 128, base=1e6, **extra)
 
 

@@ -17,7 +17,7 @@ from visionpe.grid import COORD_MODES, grid_coords
 from visionpe.multimodal import get_position_ids, list_multimodal_schemes
 
 from ..conftest import ROTARY, takes_option
-from ..multimodal.helpers import random_batch
+from ..multimodal.helpers import NEEDS_TIME, max_videos, random_batch
 
 SCHEMES = list_multimodal_schemes()
 SETTINGS = settings(max_examples=30, deadline=None)
@@ -90,10 +90,9 @@ def test_offset_index_is_the_coordinate_difference(grid, prefix, data):
 
 def _batch(seed, scheme, padding, batch_size):
     gen = torch.Generator().manual_seed(seed)
-    videos = 0 if scheme == "circle_rope" else 2
-    types, mask, image, video = random_batch(gen, batch_size=batch_size, max_videos=videos, padding=padding)
+    types, mask, image, video = random_batch(gen, batch_size=batch_size, max_videos=max_videos(scheme), padding=padding)
     kwargs = {}
-    if scheme == "mrope_abs_time" and video is not None:
+    if scheme in NEEDS_TIME and video is not None:
         kwargs["second_per_grid_ts"] = torch.rand(len(video), generator=gen) * 2
     return types, mask, image, video, kwargs
 
