@@ -136,7 +136,7 @@ def profile_step(
 def fusable_rotary_schemes() -> list[str]:
     """Registered rotary schemes whose default configuration rotates q and k by cos/sin tables, the rotations that
     ``set_rotary_backend(model, "fused")`` compiles into one kernel."""
-    from visionpe.rotary.fused import rotation_tables
+    from visionpe.interfaces.fused_rotary import rotation_tables
 
     names = []
     for name in visionpe.list_schemes("rotary"):

@@ -7,16 +7,22 @@ like the rest of the core they need torch and timm only.
 
 from . import absolute, bias, camera, grid, multimodal, rotary  # noqa: F401  (importing them registers every scheme)
 from .attention import PosAttention, PosBlock, PositionContext, set_attention_backend, set_rotary_backend
-from .base import AbsolutePositionEncoding, BiasPositionEncoding, PositionEncoding, RotaryPositionEncoding
+from .base import (
+    AbsolutePositionEncoding,
+    BiasPositionEncoding,
+    PositionEncoding,
+    RotaryPositionEncoding,
+    set_coord_augment,
+)
 from .bias.irpe import irpe_piecewise_index
-from .grid import CoordAugment, set_coord_augment
+from .grid import CoordAugment
 from .integrations import timm as _timm_models  # noqa: F401  (registers the timm models)
+from .interfaces.rotary import LayerRotation, RotaryState
 from .models.convert import LoadReport, convert_timm_state_dict, load_timm_state_dict
 from .models.vit import VisionPEViT
 from .registry import create_pos_embed, list_schemes, register_scheme
 from .rotary.harope import fold_harope_
 from .rotary.scaling import set_extrapolation
-from .rotary.state import LayerRotation, RotaryState
 from .rotary.string_base import fold_string_
 
 __version__ = "0.1.0"

@@ -11,7 +11,7 @@ With patch dropout (timm's ``patch_drop_rate``) each sample keeps its own subset
 ``keep``, the kept tokens' indices in the full sequence (positions, rotations and biases are those of the full grid,
 gathered with the kept indices: :mod:`visionpe.tokens`). Rotary schemes with cos/sin tables (RoPE, STRING) rotate
 the kept q and k by the kept rows of their tables; the others rotate them placed back on the full grid (dropped rows
-zero) and gather them again (:meth:`~visionpe.rotary.state.LayerRotation.rotate_kept`). Bias schemes build the full
+zero) and gather them again (:meth:`~visionpe.interfaces.rotary.LayerRotation.rotate_kept`). Bias schemes build the full
 grid's bias (from q and k placed back likewise) and gather the kept rows and columns. Every scheme thus takes patch
 dropout with the same rotations and biases as the full grid.
 
@@ -45,14 +45,13 @@ from timm.layers import Attention
 from timm.models.vision_transformer import Block
 from torch import nn
 
-from .base import BiasPositionEncoding, PositionEncoding
-from .bias.offsets import OffsetBias, offset_score_mod
+from .base import PositionEncoding
 from .checks import check_choice, check_instance
 from .contract import UnsupportedSchemeError
+from .interfaces.bias import BiasState, LayerBias, OffsetBias, SchemeBias, offset_score_mod
+from .interfaces.fused_rotary import ROTARY_BACKENDS, fused_rotate_qkv
+from .interfaces.rotary import ChainedRotation, IdentityRotation, LayerRotation, RotaryState, split_heads
 from .registry import get_scheme_class, registered_schemes
-from .rotary.fused import ROTARY_BACKENDS, fused_rotate_qkv
-from .rotary.state import ChainedRotation, IdentityRotation, LayerRotation, RotaryState, split_heads
-from .tokens import gather_pairs, gather_tokens, scatter_pairs, scatter_tokens
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -94,11 +93,13 @@ class GridGroup:
 @dataclass
 class PositionContext:
     """Per-forward position state shared by all blocks: each rotary scheme's
-    :class:`~visionpe.rotary.state.RotaryState`, each bias scheme's (scheme, state) and, in multi-view models, each
-    relative camera scheme's (scheme, :class:`~visionpe.camera.CameraState`)."""
+    :class:`~visionpe.interfaces.rotary.RotaryState`, each bias scheme's :class:`~visionpe.interfaces.BiasState` (a
+    ``(scheme, state)`` pair is taken as the :class:`~visionpe.interfaces.SchemeBias` of a
+    :class:`~visionpe.base.BiasPositionEncoding`) and, in multi-view models, each relative camera scheme's
+    (scheme, :class:`~visionpe.camera.CameraState`)."""
 
     rotary: list[RotaryState] = field(default_factory=list)
-    bias: list[tuple[BiasPositionEncoding, Any]] = field(default_factory=list)
+    bias: list[BiasState] = field(default_factory=list)
     # relative camera schemes of a multi-view model: (scheme, CameraState), applied around the attention itself
     camera: list[tuple[Any, Any]] = field(default_factory=list)
     # patch dropout: (B, K) int64 indices of the tokens each sample kept (prefix included) in the full sequence of
@@ -111,19 +112,19 @@ class PositionContext:
     # prefix and each sample's valid patches); the rotary states then hold per-sample tables
     attn_mask: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        self.bias = [SchemeBias(*state) if type(state) is tuple else state for state in self.bias]
+
+    def bias_layers(self, layer: int, tokens: torch.Tensor | None = None) -> list[LayerBias]:
+        """Every bias scheme's :class:`~visionpe.interfaces.LayerBias` of block ``layer``; ``tokens`` (B, T, C) is
+        the block's normalised input (for biases computed from it), of the kept tokens under patch dropout."""
+        return [state.layer(layer, tokens, self.keep, self.num_tokens) for state in self.bias]
+
     def keep_tokens(self, keep: torch.Tensor, num_prefix_tokens: int, num_tokens: int) -> None:
         """Record patch dropout's ``keep`` (B, K) indices of the kept patches (timm's ``PatchDropoutWithIndices``)
         as indices in the full sequence of ``num_tokens`` tokens, prefix tokens always kept."""
         prefix = torch.arange(num_prefix_tokens, device=keep.device).expand(keep.shape[0], -1)
         self.keep, self.num_tokens = torch.cat((prefix, keep + num_prefix_tokens), 1), num_tokens
-
-    @property
-    def needs_probs(self) -> bool:
-        return any(scheme.needs_probs for scheme, _ in self.bias)
-
-    @property
-    def augments_qk(self) -> bool:
-        return any(scheme.augments_qk for scheme, _ in self.bias)
 
     def rotation(self, layer: int) -> LayerRotation:
         """The rotation of q and k in block ``layer``: every rotary scheme's, in order (the identity without one)."""
@@ -182,13 +183,13 @@ class PosAttention(Attention):
             q, k, v = split_heads(self.qkv(x), B, self.num_heads).unbind(0)
             q, k = rotation.rotate_tokens(torch.stack((self.q_norm(q), self.k_norm(k))), pos.keep).unbind(0)
         v = rotation.rotate_values(v, pos.keep)
-        tokens = x if any(scheme.needs_tokens for scheme, _ in pos.bias) else None
-        if pos.augments_qk:
-            q, k = self._augment_qk(q, k, tokens, pos)
+        layers = pos.bias_layers(self.layer, x)
+        for layer in layers:
+            q, k = layer.augment_qk(q, k)
         if pos.camera:
-            x = self._attend_cameras(q, k, v, pos, attn_mask, is_causal, tokens, x)
+            x = self._attend_cameras(q, k, v, pos, layers, attn_mask, is_causal, x)
         else:
-            x = self._attend_chunked(q, k, v, pos, attn_mask, is_causal, tokens)
+            x = self._attend_chunked(q, k, v, pos, layers, attn_mask, is_causal)
         x = rotation.unrotate_output(x, pos.keep)
         x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
         x = self.norm(x)
@@ -224,12 +225,12 @@ class PosAttention(Attention):
         k: torch.Tensor,
         v: torch.Tensor,
         pos: PositionContext,
+        layers: list[LayerBias],
         attn_mask: torch.Tensor | None,
         is_causal: bool,
-        tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """:meth:`_attend` of all queries, in chunks of query rows where a dense bias would be large and autograd
-        does not record the attention (see the module docstring)."""
+        """:meth:`_attend` of all queries with this block's bias ``layers``, in chunks of query rows where a dense
+        bias would be large and autograd does not record the attention (see the module docstring)."""
         B, N = q.shape[0], q.shape[2]
         # chunks only where autograd does not record the attention: when it does, each chunk's bias is kept for
         # attention's backward, so the chunks keep what the full bias would and only multiply the kernels
@@ -238,16 +239,16 @@ class PosAttention(Attention):
         # a symbolic token count (export at any image size) runs in one piece: a graph cannot loop over a number of
         # chunks known only when it runs, and comparing chunk and N would fix the traced image size
         symbolic = isinstance(N, torch.SymInt)
-        chunking = pos.bias and not is_causal and pos.keep is None and not recorded and not symbolic
+        chunking = bool(layers) and not is_causal and pos.keep is None and not recorded and not symbolic
         # biases of the positions only are (1, heads, rows, N), shared by the batch: chunks sized for one sample
-        shared = chunking and all(s.batch_shared_bias for s, _ in pos.bias if not s.augments_qk)
+        shared = chunking and all(layer.batch_shared for layer in layers)
         shared = shared and (attn_mask is None or attn_mask.ndim < 4 or attn_mask.shape[0] == 1)
         chunk = self.query_chunk_rows(1 if shared else B, N) if chunking else N
-        terms = self._fused_terms(q, k, pos, attn_mask, is_causal, symbolic)
+        terms = self._fused_terms(q, k, pos, attn_mask, is_causal, symbolic, layers)
         if terms is not None:
             return _flex_attention(q, k, v, offset_score_mod(terms), self.scale)
         if chunk >= N:
-            return self._attend(q, k, v, pos, attn_mask, is_causal, None, tokens)
+            return self._attend(q, k, v, layers, attn_mask, is_causal, None)
         # a mask with one row per query is cut like the bias; a broadcast row is shared by every chunk
         per_row = attn_mask is not None and attn_mask.ndim >= 2 and attn_mask.shape[-2] == N
         return torch.cat(
@@ -256,11 +257,10 @@ class PosAttention(Attention):
                     q[:, :, start : start + chunk],
                     k,
                     v,
-                    pos,
+                    layers,
                     attn_mask[..., start : start + chunk, :] if per_row else attn_mask,
                     False,
                     slice(start, start + chunk),
-                    tokens,
                 )
                 for start in range(0, N, chunk)
             ],
@@ -275,26 +275,25 @@ class PosAttention(Attention):
         attn_mask: torch.Tensor | None,
         is_causal: bool,
         symbolic: bool,
+        layers: list[LayerBias] | None = None,
     ) -> list[OffsetBias] | None:
-        """Every bias scheme's per-offset terms where this block runs FlexAttention (``attn_backend="flex"``), else
-        None: the dense path then runs (see :func:`set_attention_backend` for when it does)."""
-        if self.attn_backend != "flex" or not pos.bias or pos.camera or pos.keep is not None or symbolic:
+        """Every bias layer's per-offset terms (``layers``, default this block's of ``pos``) where this block runs
+        FlexAttention (``attn_backend="flex"``), else None: the dense path then runs (see
+        :func:`set_attention_backend` for when it does)."""
+        layers = pos.bias_layers(self.layer) if layers is None else layers
+        if self.attn_backend != "flex" or not layers or pos.camera or symbolic:
             return None
-        if attn_mask is not None or is_causal or pos.needs_probs or pos.augments_qk:
-            return None
-        if self.training and self.attn_drop.p > 0:
+        if attn_mask is not None or is_causal or (self.training and self.attn_drop.p > 0):
             return None
         recorded = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
         if recorded and q.device.type == "cpu":  # FlexAttention has no CPU backward
             return None
         terms = []
-        for scheme, state in pos.bias:
-            if scheme.needs_tokens:
+        for layer in layers:
+            layer_terms = layer.fused_terms(q, k)
+            if layer_terms is None:  # not a function of the grid offset (or patch dropout): the dense path
                 return None
-            scheme_terms = scheme.fused_bias(q, k, state, self.layer)
-            if scheme_terms is None:
-                return None
-            terms += scheme_terms
+            terms += layer_terms
         return terms
 
     def _attend_cameras(
@@ -303,46 +302,23 @@ class PosAttention(Attention):
         k: torch.Tensor,
         v: torch.Tensor,
         pos: PositionContext,
+        layers: list[LayerBias],
         attn_mask: torch.Tensor | None,
         is_causal: bool,
-        tokens: torch.Tensor | None,
         block_input: torch.Tensor,
     ) -> torch.Tensor:
         """Attention through every relative camera scheme's transform of this block (the first scheme outermost):
-        each maps q, k, v before the attention and the output after it (:mod:`visionpe.camera.base`)."""
+        each maps q, k, v before the attention and the output after it (:mod:`visionpe.camera.base`); the block's
+        input goes to every transform (those that read no tokens ignore it)."""
         if pos.keep is not None:
             raise ValueError("camera schemes take every token of every view; patch dropout (keep) is not supported")
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return self._attend_chunked(q, k, v, pos, attn_mask, is_causal, tokens)
+            return self._attend_chunked(q, k, v, pos, layers, attn_mask, is_causal)
 
-        for scheme, state in reversed(pos.camera):
-            transform = state.layer(self.layer, tokens=block_input if scheme.needs_tokens else None)
-            attend = partial(transform.attend, attend=attend)
+        for _, state in reversed(pos.camera):
+            attend = partial(state.layer(self.layer, tokens=block_input).attend, attend=attend)
         return attend(q, k, v)
-
-    def _augment_qk(
-        self, q: torch.Tensor, k: torch.Tensor, tokens: torch.Tensor | None, pos: PositionContext
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k with the channels of every scheme that writes its bias into them (``augments_qk``); under patch
-        dropout, computed on the full sequence (dropped rows zero) and gathered back, like the biases."""
-        for scheme, state in pos.bias:
-            if not scheme.augments_qk:
-                continue
-            seen = tokens if scheme.needs_tokens else None
-            if pos.keep is None:
-                q, k = scheme.augment_qk(q, k, state, self.layer, tokens=seen)
-                continue
-            full_tokens = None if seen is None else scatter_tokens(seen[:, None], pos.keep, pos.num_tokens)[:, 0]
-            q, k = scheme.augment_qk(
-                scatter_tokens(q, pos.keep, pos.num_tokens),
-                scatter_tokens(k, pos.keep, pos.num_tokens),
-                state,
-                self.layer,
-                tokens=full_tokens,
-            )
-            q, k = gather_tokens(q, pos.keep), gather_tokens(k, pos.keep)
-        return q, k
 
     def project_qkv(self, x: torch.Tensor, basis: torch.Tensor | None = None) -> torch.Tensor:
         """``self.qkv(x)``, with q and k of every head multiplied by ``basis`` when given
@@ -379,13 +355,13 @@ class PosAttention(Attention):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        pos: PositionContext,
+        layers: list[LayerBias],
         attn_mask: torch.Tensor | None,
         is_causal: bool,
         rows: slice | None,
-        tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of the queries ``q`` (all of them, or the query ``rows``) over every key: (B, h, R, head_dim).
+        """Attention of the queries ``q`` (all of them, or the query ``rows``) over every key, with this block's bias
+        ``layers``: (B, h, R, head_dim).
 
         ``attn_mask`` follows ``scaled_dot_product_attention``: a boolean mask (True: may attend) or a float mask
         added to the logits. Bias terms are added to it, so a boolean mask becomes 0 / -inf first.
@@ -393,18 +369,10 @@ class PosAttention(Attention):
         bias = attn_mask
         if bias is not None and bias.dtype == torch.bool:
             bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill_(~bias, float("-inf"))
-        biases = [(scheme, state) for scheme, state in pos.bias if not scheme.augments_qk]
-        if pos.keep is not None and biases:  # patch dropout: the full grid's bias, kept rows and columns
-            q_full, k_full = scatter_tokens(q, pos.keep, pos.num_tokens), scatter_tokens(k, pos.keep, pos.num_tokens)
-            if tokens is not None:
-                tokens = scatter_tokens(tokens[:, None], pos.keep, pos.num_tokens)[:, 0]
-        for scheme, state in biases:
-            extra = {"tokens": tokens} if scheme.needs_tokens else {}
-            if pos.keep is None:
-                term = scheme.attn_bias(q, k, state, self.layer, rows=rows, **extra)
-            else:
-                term = gather_pairs(scheme.attn_bias(q_full, k_full, state, self.layer, **extra), pos.keep)
-            bias = term if bias is None else bias + term
+        for layer in layers:
+            term = layer.logits(q, k, rows)
+            if term is not None:
+                bias = term if bias is None else bias + term
         if bias is not None:
             bias = bias.to(q.dtype)
             if is_causal:  # SDPA takes a mask or is_causal, not both: the causal mask joins the bias
@@ -412,7 +380,7 @@ class PosAttention(Attention):
                 future = torch.ones(n, m, dtype=torch.bool, device=q.device).triu(1)
                 bias, is_causal = bias.masked_fill(future, float("-inf")), False
 
-        if self.fused_attn and not pos.needs_probs:
+        if self.fused_attn and not any(layer.needs_probs for layer in layers):
             return F.scaled_dot_product_attention(
                 q,
                 k,
@@ -431,13 +399,10 @@ class PosAttention(Attention):
             attn = attn.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
         attn = self.attn_drop(attn.softmax(dim=-1))
         x = attn @ v
-        for scheme, state in pos.bias:
-            if scheme.needs_probs:
-                if pos.keep is None:
-                    x = x + scheme.value_term(attn, state, self.layer, rows=rows)
-                else:
-                    full = scatter_pairs(attn, pos.keep, pos.num_tokens)
-                    x = x + gather_tokens(scheme.value_term(full, state, self.layer), pos.keep)
+        for layer in layers:
+            term = layer.value_term(attn, rows)
+            if term is not None:
+                x = x + term
         return x
 
 
@@ -550,8 +515,8 @@ def set_rotary_backend(model: nn.Module, backend: str) -> nn.Module:
     With ``"fused"``, a block whose rotation is by cos/sin tables (``rope_axial``, ``rope_mixed``,
     ``string_cayley`` and ``string_circulant`` with their basis P folded into the projection, and the other schemes
     built on :class:`~visionpe.rotary.base.LinearRotary`) rotates q and k inside the q/k/v projection output with
-    :func:`~visionpe.rotary.fused.rotate_qkv_tables` compiled by ``torch.compile``: one kernel (Triton on a GPU,
-    C++ on a CPU) for q and k of every head, products in fp32 with the fp32 tables, the result rounded once to the
+    :func:`~visionpe.interfaces.fused_rotary.rotate_qkv_tables` compiled by ``torch.compile``: one kernel (Triton on a
+    GPU, C++ on a CPU) for q and k of every head, products in fp32 with the fp32 tables, the result rounded once to the
     activations' dtype. The result equals the eager path's to that rounding (bf16: about 1e-2 relative), forward
     and gradients. The function is compiled on first use (seconds; again once when shapes first change, then with
     dynamic shapes). Inside a model compiled with ``torch.compile`` the plain function is traced into the model's

@@ -3,8 +3,8 @@
 - :class:`AbsolutePositionEncoding` adds to (or transforms) the token sequence, before the blocks or
   after the blocks named in ``insert_after``.
 - :class:`RotaryPositionEncoding` rotates q and k inside attention. ``prepare`` turns coordinates into a
-  per-forward :class:`~visionpe.rotary.state.RotaryState` once (e.g. cos/sin for every layer); each block asks it
-  for its :class:`~visionpe.rotary.state.LayerRotation`.
+  per-forward :class:`~visionpe.interfaces.rotary.RotaryState` once (e.g. cos/sin for every layer); each block asks it
+  for its :class:`~visionpe.interfaces.rotary.LayerRotation`.
 - :class:`BiasPositionEncoding` adds to the attention logits; it may depend on q (contextual terms) and
   may add a value term, which needs the attention probabilities.
 
@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from .checks import check_int, is_int
+from .checks import check_instance, check_int, is_int
 from .grid import CoordAugment, grid_coords, validate_count, validate_grid_size
 
 if TYPE_CHECKING:
-    from .rotary.state import RotaryState
+    from .interfaces.rotary import RotaryState
 
 __all__ = [
     "PositionEncoding",
@@ -37,6 +37,7 @@ __all__ = [
     "check_layer",
     "check_model_shape",
     "check_rotate_input",
+    "set_coord_augment",
 ]
 
 
@@ -110,6 +111,8 @@ class PositionEncoding(nn.Module):
     # -- capabilities, read by visionpe.contract (the entry points' check and the compatibility table) --
     #: inputs beyond the image the scheme cannot work without (``"cameras"``)
     requires: ClassVar[frozenset[str]] = frozenset()
+    #: inputs the scheme reads when the model is given them, and does without otherwise (3DPPE's known depths)
+    optional_inputs: ClassVar[frozenset[str]] = frozenset()
     #: grid ranks the scheme can be built for (2: images; 3: video, through the scheme's ``ndim`` option)
     grid_ranks: ClassVar[tuple[int, ...]] = (2,)
     #: with causal attention, a token still reads no later token (False: the scheme mixes tokens outside attention)
@@ -122,6 +125,9 @@ class PositionEncoding(nn.Module):
     rotary_backends: ClassVar[tuple[str, ...]] = ()
     #: the backends of :func:`~visionpe.set_attention_backend` that act on the scheme
     attention_backends: ClassVar[tuple[str, ...]] = ()
+    #: a rotary scheme whose ``prepare`` gives cos/sin tables of its coordinates times frequencies and nothing else:
+    #: prepared with per-sample coordinates, it rotates a mixed-resolution batch in one padded attention
+    per_token_tables: ClassVar[bool] = False
     coord_mode: str = "index"
     #: blocks after which the scheme runs (absolute schemes applied between blocks, e.g. CPE's PEG); () = before
     insert_after: tuple[int, ...] = ()
@@ -255,7 +261,7 @@ class AbsolutePositionEncoding(PositionEncoding, ABC):
 
 
 class RotaryPositionEncoding(PositionEncoding, ABC):
-    """Rotates q and k. ``prepare`` builds a typed per-forward state once (:mod:`visionpe.rotary.state`); each
+    """Rotates q and k. ``prepare`` builds a typed per-forward state once (:mod:`visionpe.interfaces.rotary`); each
     block asks it for its rotation."""
 
     kind = "rotary"
@@ -266,11 +272,11 @@ class RotaryPositionEncoding(PositionEncoding, ABC):
     def prepare(
         self, coords: torch.Tensor, num_prefix_tokens: int = 0, grid_size: tuple[int, ...] | None = None
     ) -> RotaryState:
-        """Per-forward :class:`~visionpe.rotary.state.RotaryState` from patch ``coords`` (N, ndim) (or (B, N, ndim)
+        """Per-forward :class:`~visionpe.interfaces.rotary.RotaryState` from patch ``coords`` (N, ndim) (or (B, N, ndim)
         where the scheme takes per-sample positions); prefix rows get the identity unless the scheme says otherwise.
 
         ``grid_size`` is the current grid when the model knows it (schemes that scale for extrapolation use it).
-        Attention then asks the state for each block's :class:`~visionpe.rotary.state.LayerRotation`.
+        Attention then asks the state for each block's :class:`~visionpe.interfaces.rotary.LayerRotation`.
         """
 
     def apply(self, qk: torch.Tensor, state: RotaryState, layer: int) -> torch.Tensor:
@@ -381,3 +387,41 @@ class BiasPositionEncoding(PositionEncoding, ABC):
         with the values ``attn_bias`` gives for all rows; or None where the bias is not a function of the grid offset
         (the default: such schemes keep the dense path). ``q`` and ``k`` as in ``attn_bias`` with every row."""
         return None
+
+
+def set_coord_augment(module: nn.Module, coord_augment: CoordAugment | Mapping[str, Any] | None) -> list[str]:
+    """Set (or with None, clear) the training-time coordinate augmentation of every scheme of ``module`` that reads
+    coordinates; returns the names of the schemes set (``""`` for ``module`` itself).
+
+    ``module`` is a model or one scheme. Schemes that read integer offsets or tables instead of coordinates
+    (``learned``, ``cpe``, ``irpe``, ``none``) are left as they are in a model with other schemes (rope-vit's
+    ``["learned", "rope_mixed"]`` augments the rotary part); a ValueError is raised when the scheme given, or every
+    scheme of the model, reads no coordinates.
+
+    Example:
+        >>> import timm, visionpe
+        >>> m = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=["learned", "rope_axial"], depth=1)
+        >>> set_coord_augment(m, CoordAugment("randomized", max_grid_size=28))
+        ['pos_schemes.rope_axial']
+    """
+    check_instance(module, "module", nn.Module, expected="a torch.nn.Module (a model or a scheme)")
+    coord_augment = CoordAugment.from_value(coord_augment)
+    schemes = [(n, m) for n, m in module.named_modules() if isinstance(m, PositionEncoding)]
+    if not schemes:
+        raise ValueError(f"module must hold a visionpe position scheme, got a {type(module).__name__} with none")
+    if isinstance(module, PositionEncoding):
+        module.coord_augment = coord_augment  # raises for a scheme that reads no coordinates
+        return [""]
+    targets = [(n, m) for n, m in schemes if m.consumes_coords]
+    if not targets:
+        names = [getattr(m, "scheme_name", type(m).__name__) for _, m in schemes]
+        raise ValueError(
+            f"coord_augment applies to schemes that read coordinates, but this model's schemes {names} read integer "
+            f"offsets or tables; got coord_augment={coord_augment!r}"
+        )
+    for _, scheme in targets:
+        scheme.coord_augment = coord_augment
+    return [n for n, _ in targets]
+
+
+# -- mixed-resolution batches ---------------------------------------------------------------------------------------

@@ -22,18 +22,18 @@ its own list of names: the valid names of an entry point are the registered sche
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .checks import check_instance
-from .multimodal.registry import list_multimodal_schemes
-from .registry import get_scheme_class, registered_schemes
+from .registry import create_pos_embed, get_scheme_class, registered_schemes
 
 __all__ = [
     "EntryPoint",
     "UnsupportedSchemeError",
     "register_entry_point",
+    "register_other_names",
     "entry_points",
     "get_entry_point",
     "check_schemes",
@@ -78,6 +78,18 @@ class EntryPoint:
 
 
 _ENTRY_POINTS: dict[tuple[str, str], EntryPoint] = {}
+# names of other registries (the multimodal designs): (a function listing them, what they are and where they go)
+_OTHER_NAMES: list[tuple[Callable[[], Iterable[str]], str]] = []
+
+
+def register_other_names(names: Callable[[], Iterable[str]], description: str) -> None:
+    """Record another registry's names (``names()`` lists them) so that an entry point given one of them says what
+    it is and where it goes (``description``, e.g. "a multimodal design (...: visionpe.multimodal)") instead of
+    calling it unknown. The registry registers itself; the core imports none."""
+    if not callable(names):
+        raise TypeError(f"names must be a callable returning names, got {type(names).__name__}")
+    check_instance(description, "description", str, expected="a str")
+    _OTHER_NAMES.append((names, description))
 
 
 def register_entry_point(entry: EntryPoint) -> EntryPoint:
@@ -165,11 +177,9 @@ def check_schemes(entry: EntryPoint, names: Iterable[str]) -> None:
 
 def _unknown(entry: EntryPoint, name: str) -> str:
     message = f"unknown position scheme {name!r} for {entry.argument} of {entry.name}"
-    if name in list_multimodal_schemes():
-        message = (
-            f"{name!r} is a multimodal design (positions of the text and image tokens of a vision-language model: "
-            f"visionpe.multimodal and the Hugging Face adapters), not a scheme for {entry.argument} of {entry.name}"
-        )
+    for names, description in _OTHER_NAMES:
+        if name in names():
+            message = f"{name!r} is {description}, not a scheme for {entry.argument} of {entry.name}"
     return f"{message}; valid names: {', '.join(valid_schemes(entry))}"
 
 
@@ -208,8 +218,6 @@ def compatibility_table(schemes: Iterable[str] | None = None) -> str:
     the extrapolation modes and the non-default backends. Generated from the declarations, so it cannot drift
     from what the code does (the generic tests check the declarations against the schemes' behaviour). ``schemes``:
     the rows, every registered scheme by default."""
-    from .registry import create_pos_embed
-
     entries = entry_points()
     header = ["scheme", "kind", *(e.label or e.name for e in entries)]
     header += ["causal", "mixed batch", "ONNX", "extrapolation", "backends"]

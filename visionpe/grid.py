@@ -14,8 +14,9 @@ Coordinate modes (``coord_mode`` of every scheme):
 :func:`grid_coords` also builds ``normalized_pm1``, 2 (i + 0.5) / n - 1 in (-1, 1), the convention of DINOv3
 (``rope_dinov3``); it is not among the modes every scheme takes (:data:`COORD_MODES`).
 
-Training-time coordinate augmentation (:class:`CoordAugment`, set on a model with :func:`set_coord_augment`)
-draws the coordinates of a training forward instead of reading them off the grid:
+Training-time coordinate augmentation (:class:`CoordAugment`, set on a model with
+:func:`~visionpe.base.set_coord_augment`) draws the coordinates of a training forward instead of reading them off
+the grid:
 
 - ``randomized``: Ruoss et al., "Randomized Positional Encodings Boost Length Generalization of Transformers",
   ACL 2023. Per axis, a sorted sample without replacement of the n_a positions from {0..L_a - 1}
@@ -49,7 +50,7 @@ import torch
 from .checks import check_choice, check_float, check_instance, check_int, check_positive, describe
 
 if TYPE_CHECKING:
-    from torch import nn
+    pass
 
 __all__ = [
     "COORD_MODES",
@@ -64,7 +65,6 @@ __all__ = [
     "prefix_mask",
     "randomized_coords",
     "randomized_positions",
-    "set_coord_augment",
     "shift_jitter_rescale",
     "skip_coords",
     "skip_positions",
@@ -431,11 +431,11 @@ def shift_jitter_rescale(
 class CoordAugment:
     """A training-time coordinate augmentation: how a training forward draws its patch coordinates.
 
-    Set it on a model with :func:`set_coord_augment` (or ``timm.create_model(..., coord_augment=...)``): every
-    scheme that reads coordinates (rotary schemes, the distance biases ``alibi2d``, ``kerple_*``, ``bam`` and
-    ``lookhere``, the absolute ``sincos`` and ``fourier``) draws its coordinates through it in training mode, once per
-    forward, shared by the images of the batch (as DINOv3 draws them). In eval mode nothing is drawn: the outputs are
-    those of the model without augmentation, bit for bit.
+    Set it on a model with :func:`~visionpe.base.set_coord_augment` (or ``timm.create_model(...,
+    coord_augment=...)``): every scheme that reads coordinates (rotary schemes, the distance biases ``alibi2d``,
+    ``kerple_*``, ``bam`` and ``lookhere``, the absolute ``sincos`` and ``fourier``) draws its coordinates through
+    it in training mode, once per forward, shared by the images of the batch (as DINOv3 draws them). In eval mode
+    nothing is drawn: the outputs are those of the model without augmentation, bit for bit.
 
     Args:
         kind: ``"randomized"`` (Ruoss et al., ACL 2023), ``"pose"`` (Zhu et al., ICLR 2024) or ``"dinov3"``
@@ -538,48 +538,6 @@ class CoordAugment:
         positions = draw(grid_size, limits, self.generator)
         full = coords_fn(limits)
         return full[grid_rows(positions, limits).to(full.device)]
-
-
-def set_coord_augment(module: nn.Module, coord_augment: CoordAugment | Mapping[str, Any] | None) -> list[str]:
-    """Set (or with None, clear) the training-time coordinate augmentation of every scheme of ``module`` that reads
-    coordinates; returns the names of the schemes set (``""`` for ``module`` itself).
-
-    ``module`` is a model or one scheme. Schemes that read integer offsets or tables instead of coordinates
-    (``learned``, ``cpe``, ``irpe``, ``none``) are left as they are in a model with other schemes (rope-vit's
-    ``["learned", "rope_mixed"]`` augments the rotary part); a ValueError is raised when the scheme given, or every
-    scheme of the model, reads no coordinates.
-
-    Example:
-        >>> import timm, visionpe
-        >>> m = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=["learned", "rope_axial"], depth=1)
-        >>> set_coord_augment(m, CoordAugment("randomized", max_grid_size=28))
-        ['pos_schemes.rope_axial']
-    """
-    from torch import nn
-
-    from .base import PositionEncoding
-
-    check_instance(module, "module", nn.Module, expected="a torch.nn.Module (a model or a scheme)")
-    coord_augment = CoordAugment.from_value(coord_augment)
-    schemes = [(n, m) for n, m in module.named_modules() if isinstance(m, PositionEncoding)]
-    if not schemes:
-        raise ValueError(f"module must hold a visionpe position scheme, got a {type(module).__name__} with none")
-    if isinstance(module, PositionEncoding):
-        module.coord_augment = coord_augment  # raises for a scheme that reads no coordinates
-        return [""]
-    targets = [(n, m) for n, m in schemes if m.consumes_coords]
-    if not targets:
-        names = [getattr(m, "scheme_name", type(m).__name__) for _, m in schemes]
-        raise ValueError(
-            f"coord_augment applies to schemes that read coordinates, but this model's schemes {names} read integer "
-            f"offsets or tables; got coord_augment={coord_augment!r}"
-        )
-    for _, scheme in targets:
-        scheme.coord_augment = coord_augment
-    return [n for n, _ in targets]
-
-
-# -- mixed-resolution batches ---------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The fused rotary path (``set_rotary_backend(model, "fused")``, :mod:`visionpe.rotary.fused`): q and k of the
-projection output rotated by one compiled kernel equal the eager reference to the rounding of the activations'
+"""The fused rotary path (``set_rotary_backend(model, "fused")``, :mod:`visionpe.interfaces.fused_rotary`): q and k
+of the projection output rotated by one compiled kernel equal the eager reference to the rounding of the activations'
 dtype, in the forward and in every gradient (q/k/v and the learned frequencies), with a class token, with patch
 dropout's kept tokens, and in a whole ViT; a model compiled with ``torch.compile`` keeps one graph.
 
@@ -15,9 +15,9 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import visionpe
+from visionpe.interfaces.fused_rotary import fused_rotate_qkv, rotate_qkv_tables, rotation_tables
+from visionpe.interfaces.rotary import ChainedRotation, IdentityRotation, LayerRotation
 from visionpe.rotary.functional import apply_rotary
-from visionpe.rotary.fused import fused_rotate_qkv, rotate_qkv_tables, rotation_tables
-from visionpe.rotary.state import ChainedRotation, IdentityRotation, LayerRotation
 
 SCHEMES = ["rope_axial", "rope_mixed", "string_cayley", "string_circulant"]
 # bf16: the eager path rounds the cast tables, both products and their sum, the fused one the result only

@@ -7,13 +7,13 @@ import torch
 
 import visionpe
 from visionpe.grid import grid_coords
+from visionpe.interfaces.rotary import LayerRotation
 from visionpe.rotary.base import TableRotation
 from visionpe.rotary.block_rotation import apply_block_rotation, rotate_qkv_blocks_
 from visionpe.rotary.expm import skew_from_params
 from visionpe.rotary.functional import apply_rotary, rotary_tables, rotate_qkv_pairs_
 from visionpe.rotary.lie_base import BlockRotation
 from visionpe.rotary.liere import LieRE
-from visionpe.rotary.state import LayerRotation
 
 from ..model_checks import random_keep
 

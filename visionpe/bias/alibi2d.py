@@ -117,17 +117,22 @@ class Alibi2D(GlobalSlope, BiasPositionEncoding):
                 f"q and k must have shape (B, {self.slopes.numel()}, {num_rows}, head_dim) and "
                 f"(B, {self.slopes.numel()}, {n}, head_dim) for this grid, got q {tuple(q.shape)}, k {tuple(k.shape)}"
             )
+
         # slopes and products in fp32 (fp64 for fp64 activations), one rounding to q's dtype at the end: casting the
         # distances and the slopes first rounds three times (the package's precision rule). Scale and round the
         # (h, K + 1) table, then gather: the same values as scaling the gathered distances, without an fp32 (R, N)
         # block.
-        if isinstance(state, CoordinateState):  # drawn coordinates: each pair's distance
+        def per_offset(state: DistanceState) -> torch.Tensor:
+            table = self._offset_values(state, q.dtype)
+            return gather_offsets(table, state.offset_index(query_rows(rows, n), query_rows(None, n)))[None]
+
+        def drawn(state: CoordinateState) -> torch.Tensor:  # each pair's distance
             compute = torch.promote_types(q.dtype, torch.float32)
             slopes = (-self.global_slope * self.slopes).to(compute)
             distances = coordinate_distances(state, "euclidean", rows)[0].to(compute)
             return (slopes[:, None, None] * distances).to(q.dtype)[None]
-        table = self._offset_values(state, q.dtype)
-        return gather_offsets(table, state.offset_index(query_rows(rows, n), query_rows(None, n)))[None]
+
+        return state.visit(per_offset, drawn)
 
     def _offset_values(self, state: DistanceState, dtype: torch.dtype) -> torch.Tensor:
         """(h, K + 1) bias per grid offset, scaled in fp32 (fp64 for fp64 ``dtype``) and rounded once to ``dtype``."""
@@ -137,6 +142,4 @@ class Alibi2D(GlobalSlope, BiasPositionEncoding):
 
     def fused_bias(self, q: torch.Tensor, k: torch.Tensor, state: DistanceState, layer: int) -> list[OffsetBias] | None:
         """The bias per grid offset for fused attention (None for drawn coordinates, which are no grid offset)."""
-        if not isinstance(state, DistanceState):
-            return None
-        return [OffsetBias(state, self._offset_values(state, q.dtype)[None, :, None])]
+        return state.visit(lambda s: [OffsetBias(s, self._offset_values(s, q.dtype)[None, :, None])], lambda s: None)

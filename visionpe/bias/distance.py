@@ -22,7 +22,9 @@ evaluation keeps the per-offset tables.
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,8 @@ import torch.nn.functional as F
 from ..base import BiasPositionEncoding, check_layer, check_model_shape
 from ..checks import check_choice
 from .offsets import OffsetBias, OffsetState, gather_offsets, offset_state, query_rows
+
+_T = TypeVar("_T")
 
 __all__ = [
     "DISTANCES",
@@ -83,6 +87,10 @@ class CoordinateState:
     def num_tokens(self) -> int:
         return self.num_prefix_tokens + self.coords.shape[0]
 
+    def visit(self, offsets: Callable[[OffsetState], _T], coordinates: Callable[[CoordinateState], _T]) -> _T:
+        """``coordinates(self)``: drawn coordinates, no grid offsets (see :meth:`OffsetState.visit`)."""
+        return coordinates(self)
+
     def offsets(self, rows: slice | None = None) -> torch.Tensor:
         """p_i - p_j, fp32 (ndim, R, P + N) for the query ``rows`` (all rows for None), 0 for pairs with a prefix
         token."""
@@ -91,6 +99,11 @@ class CoordinateState:
         queries = self.coords[max(selected.start, p) - p : max(selected.stop, p) - p]
         diff = (queries[:, None, :] - self.coords[None, :, :]).permute(2, 0, 1)
         return F.pad(diff, (p, 0, len(selected) - len(queries), 0))
+
+
+def _no_terms(state: CoordinateState) -> None:
+    """Drawn coordinates have no per-offset terms for fused attention."""
+    return None
 
 
 def coordinate_distances(state: CoordinateState, distance: str, rows: slice | None = None) -> torch.Tensor:
@@ -163,22 +176,25 @@ class DistanceKernelBias(BiasPositionEncoding):
                 f"q and k must have shape (B, {self.num_heads}, {num_rows}, head_dim) and "
                 f"(B, {self.num_heads}, {n}, head_dim) for this grid, got q {tuple(q.shape)}, k {tuple(k.shape)}"
             )
-        if isinstance(state, CoordinateState):  # drawn coordinates: the kernel of each pair's distances
+
+        def per_offset(state: AxisDistanceState) -> torch.Tensor:
+            table = self.offset_table(state, layer, q.dtype)
+            return gather_offsets(table, state.offset_index(query_rows(rows, n), range(n)))[None]
+
+        def drawn(state: CoordinateState) -> torch.Tensor:  # the kernel of each pair's distances
             distances = coordinate_distances(state, self.distance, rows)
             compute = torch.promote_types(q.dtype, torch.float32)
             with torch.autocast(distances.device.type, enabled=False):
                 values = self.kernel(distances.to(compute).flatten(1)[:, None], layer).sum(0)
             return values.unflatten(-1, distances.shape[1:]).to(q.dtype)[None]
-        table = self.offset_table(state, layer, q.dtype)
-        return gather_offsets(table, state.offset_index(query_rows(rows, n), range(n)))[None]
+
+        return state.visit(per_offset, drawn)
 
     def fused_bias(
         self, q: torch.Tensor, k: torch.Tensor, state: AxisDistanceState, layer: int
     ) -> list[OffsetBias] | None:
         """The kernel's bias per grid offset for fused attention (None for drawn coordinates, no grid offset)."""
-        if not isinstance(state, AxisDistanceState):
-            return None
-        return [OffsetBias(state, self.offset_table(state, layer, q.dtype)[None, :, None])]
+        return state.visit(lambda s: [OffsetBias(s, self.offset_table(s, layer, q.dtype)[None, :, None])], _no_terms)
 
     def kernel_parameter(self, init: torch.Tensor | float = 0.0, *, uniform: float | None = None) -> torch.Tensor:
         """A (depth, A, num_heads) kernel parameter: ``init`` everywhere, or U(0, ``uniform``) draws."""

@@ -242,19 +242,24 @@ class LookHere(GlobalSlope, BiasPositionEncoding):
                 f"(B, {heads}, {n}, head_dim) for this grid, got q {tuple(q.shape)}, k {tuple(k.shape)}"
             )
         check_layer(layer, self.layer_slopes.numel(), type(self).__name__)
+
         # slopes and products in fp32 (fp64 for fp64 activations), one rounding to q's dtype at the end: casting the
         # distances and the slopes first rounds three times (the package's precision rule). Scale and round the
         # small table, then gather: the same values as scaling gathered distances, without an fp32 (R, N) block.
         # Outside the view +inf times a negative slope is -inf, which the cast keeps.
-        if isinstance(state, CoordinateState):  # drawn coordinates: each pair's view and distance
+        def per_offset(state: LookHereState) -> torch.Tensor:
+            table = self._offset_values(state, layer, q.dtype)
+            return gather_offsets(table, state.offset_index(selected, query_rows(None, n)))[None]
+
+        def drawn(state: CoordinateState) -> torch.Tensor:  # each pair's view and distance
             compute = torch.promote_types(q.dtype, torch.float32)
             slopes = (-self.global_slope * self.layer_slopes[layer] * self.head_slopes).to(compute)
             dy, dx = (-d for d in state.offsets(rows))  # p_j - p_i, as the views are defined
             views = torch.stack([_fov_mask(dy, dx, d, self.fov) for d in self.directions])
             penalty = dy.square().add(dx.square()).sqrt().expand_as(views).masked_fill(~views, float("inf"))
             return (penalty.to(compute) * slopes[:, None, None]).to(q.dtype)[None]
-        table = self._offset_values(state, layer, q.dtype)
-        return gather_offsets(table, state.offset_index(selected, query_rows(None, n)))[None]
+
+        return state.visit(per_offset, drawn)
 
     def _offset_values(self, state: LookHereState, layer: int, dtype: torch.dtype) -> torch.Tensor:
         """(h, K + 1) bias of block ``layer`` per grid offset, -inf outside a head's view, scaled in fp32 (fp64 for
@@ -265,7 +270,7 @@ class LookHere(GlobalSlope, BiasPositionEncoding):
 
     def fused_bias(self, q: torch.Tensor, k: torch.Tensor, state: LookHereState, layer: int) -> list[OffsetBias] | None:
         """The bias per grid offset for fused attention (None for drawn coordinates, which are no grid offset)."""
-        if not isinstance(state, LookHereState):
-            return None
         check_layer(layer, self.layer_slopes.numel(), type(self).__name__)
-        return [OffsetBias(state, self._offset_values(state, layer, q.dtype)[None, :, None])]
+        return state.visit(
+            lambda s: [OffsetBias(s, self._offset_values(s, layer, q.dtype)[None, :, None])], lambda s: None
+        )

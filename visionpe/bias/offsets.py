@@ -8,13 +8,17 @@ coordinate differences. A large grid never holds an (N, N) map; small grids cach
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
 from ..checks import check_int, check_positive
 from ..grid import is_symbolic_grid
+from ..interfaces.bias import OffsetBias, offset_score_mod
+
+_T = TypeVar("_T")
 
 __all__ = [
     "DistanceState",
@@ -131,6 +135,12 @@ class OffsetState:
     def num_offsets(self) -> int:
         return (2 * self.grid_size[0] - 1) * (2 * self.grid_size[1] - 1)
 
+    def visit(self, offsets: Callable[[OffsetState], _T], coordinates: Callable[[Any], _T]) -> _T:
+        """``offsets(self)``: this state's values live per grid offset. A scheme whose state may also hold drawn
+        coordinates (:class:`~visionpe.bias.distance.CoordinateState`, which calls ``coordinates``) picks its
+        computation through this call, whatever the state."""
+        return offsets(self)
+
     def offset_index(self, rows: range | TokenSpan, cols: range | TokenSpan) -> torch.Tensor:
         """int32 (R, C) table index of every (query in ``rows``, key in ``cols``) pair (a symbolic grid always holds
         the full index, see :func:`offset_state`)."""
@@ -215,77 +225,3 @@ def distance_state(
     # sqrt of the exact integer sum of squares: the same values as cdist's direct (non-matmul) mode
     table = torch.cat((dy.square().add_(dx.square()).sqrt_().flatten(), dy.new_zeros(1)))
     return DistanceState(base.grid_size, base.num_prefix_tokens, base.device, base.index, table)
-
-
-@dataclass
-class OffsetBias:
-    """A bias term given per grid offset, the form fused attention reads (``score_mod`` of FlexAttention).
-
-    Pair (query i, key j) reads ``values[b, h, r, column[o]]`` where o is the pair's entry in the per-offset table
-    of ``state`` (:meth:`OffsetState.offset_index`: the offset p_i - p_j, or K for pairs with a prefix token), r is i,
-    and ``column`` maps entries to columns of ``values`` (None: column o itself). With ``by_key=True`` the roles of
-    the two tokens swap: the pair reads row j at the entry of the offset p_j - p_i (iRPE's query-side term).
-    ``values``: (B | 1, h | 1, P + N | 1, C), a size-1 dimension shared.
-    """
-
-    state: OffsetState
-    values: torch.Tensor
-    column: torch.Tensor | None = None
-    by_key: bool = False
-
-    def dense(self) -> torch.Tensor:
-        """The term as a dense (B | 1, h | 1, P + N, P + N) bias (the reference for the fused form; tests)."""
-        every = range(self.state.num_tokens)
-        index = self.state.offset_index(every, every)
-        if self.by_key:
-            index = index.transpose(0, 1)
-        if self.column is not None:
-            index = self.column[index.long()]
-        values = self.values.expand(*self.values.shape[:2], self.state.num_tokens, -1)
-        rows = torch.arange(self.state.num_tokens, device=index.device)
-        rows = rows[None, :] if self.by_key else rows[:, None]  # the row a pair reads: i, or j with by_key
-        return values[:, :, rows.expand_as(index), index.long()]
-
-
-def offset_score_mod(terms: list[OffsetBias]):
-    """FlexAttention ``score_mod`` adding every term of ``terms`` (all on one grid) to the attention scores.
-
-    Each pair's table entry comes from the token indices by arithmetic, (y_i - y_j + H - 1)(2W - 1) + x_i - x_j +
-    W - 1 on ``index`` coordinates, K for pairs with a prefix token (which come first), so nothing of size (N, N) is
-    built; a term reads its ``values`` there.
-    """
-    if not terms:
-        raise ValueError("terms must hold at least one OffsetBias")
-    state = terms[0].state
-    (height, width), prefix, entries = state.grid_size, state.num_prefix_tokens, state.num_offsets
-    for term in terms[1:]:
-        if (term.state.grid_size, term.state.num_prefix_tokens) != (state.grid_size, prefix):
-            raise ValueError(
-                f"every OffsetBias must be on one grid, got grid {term.state.grid_size} with "
-                f"{term.state.num_prefix_tokens} prefix tokens and grid {state.grid_size} with {prefix}"
-            )
-
-    def entry(i, j):
-        pi, pj = (i - prefix).clamp_min(0), (j - prefix).clamp_min(0)
-        offset = (pi // width - pj // width + height - 1) * (2 * width - 1) + pi % width - pj % width + width - 1
-        return torch.where((i < prefix) | (j < prefix), entries, offset)
-
-    def read(term: OffsetBias, b, h, q_idx, kv_idx):
-        row, other = (kv_idx, q_idx) if term.by_key else (q_idx, kv_idx)
-        index = entry(row, other)
-        if term.column is not None:
-            index = term.column[index]
-        values = term.values
-        return values[
-            b if values.shape[0] > 1 else 0,
-            h if values.shape[1] > 1 else 0,
-            row if values.shape[2] > 1 else 0,
-            index,
-        ]
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        for term in terms:
-            score = score + read(term, b, h, q_idx, kv_idx)
-        return score
-
-    return score_mod

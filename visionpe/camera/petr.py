@@ -355,6 +355,8 @@ class ThreeDPPE(_BoxEmbedding):
         (torch.Size([1, 12, 32]), torch.Size([1, 12, 32]))
     """
 
+    optional_inputs = frozenset({"patch_depth"})  # known depths when given, else predicted
+
     def __init__(
         self,
         dim: int,

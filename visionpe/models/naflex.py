@@ -30,6 +30,7 @@ from torch import nn
 from ..attention import GridGroup, PositionContext
 from ..checks import describe
 from ..grid import MixedGrid, mixed_grid, validate_count
+from .context import build_position_context
 
 __all__ = [
     "NAFLEX_KEYS",
@@ -172,13 +173,12 @@ def apply_per_grid(
 
 
 def _per_token_rotary(scheme: nn.Module, grids: list[tuple[int, ...]]) -> bool:
-    """Whether ``scheme`` gives a mixed batch the same rotation through per-token tables as grid by grid: a
-    :class:`~visionpe.rotary.base.LinearRotary` with its own ``prepare`` (cos/sin of coordinates times frequencies)
-    whose frequencies and table multiplier are the same at every grid of the batch (no extrapolation mode, or one
-    that leaves these grids alone); its coordinates, which may depend on the grid, are built per grid."""
-    from ..rotary.base import LinearRotary
-
-    if not isinstance(scheme, LinearRotary) or type(scheme).prepare is not LinearRotary.prepare:
+    """Whether ``scheme`` gives a mixed batch the same rotation through per-token tables as grid by grid: a scheme
+    that rotates by cos/sin of coordinates times frequencies (``per_token_tables``, the
+    :class:`~visionpe.rotary.base.LinearRotary` family without a basis change) whose frequencies and table
+    multiplier are the same at every grid of the batch (no extrapolation mode, or one that leaves these grids
+    alone); its coordinates, which may depend on the grid, are built per grid."""
+    if not scheme.per_token_tables:
         return False
     first_freqs, first_scale = scheme.scaled_frequencies(grids[0])
     for grid in grids[1:]:
@@ -207,7 +207,7 @@ def build_mixed_position_context(
       at its own grid, and ``attn_mask`` masks the padding keys (padding queries attend to the valid keys, so every
       softmax stays finite);
     - grid by grid otherwise (bias schemes, LieRE, ComRoPE, STRING, SeqPE, extrapolation modes that scale per grid):
-      one :func:`~visionpe.models.vit.build_position_context` per distinct grid, as
+      one :func:`~visionpe.models.context.build_position_context` per distinct grid, as
       :class:`~visionpe.attention.GridGroup` entries of ``groups``; attention runs each group on its valid tokens.
 
     Either gives each image the positions it has alone.
@@ -217,8 +217,6 @@ def build_mixed_position_context(
         ValueError: a scheme that reads per-sample inputs beyond the patches (STRING's ``patch_depth``), which a
             NaFlex batch does not carry.
     """
-    from .vit import build_position_context
-
     if not isinstance(layout, MixedGrid):
         raise TypeError(f"layout must be a visionpe.grid.MixedGrid (from mixed_grid), got {describe(layout)}")
     validate_count(num_prefix_tokens, "num_prefix_tokens")

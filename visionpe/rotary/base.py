@@ -25,9 +25,9 @@ import torch
 from ..base import RotaryPositionEncoding, check_layer, check_model_shape
 from ..checks import check_bool
 from ..grid import COORD_MODES
+from ..interfaces.rotary import IdentityRotation, LayerRotation, RotaryState
 from .functional import apply_rotary, rotary_angles, rotary_tables, rotate_qkv_pairs_
 from .scaling import Extrapolation
-from .state import IdentityRotation, LayerRotation, RotaryState
 
 __all__ = ["LinearRotary", "LayerAngles", "TableState", "TableRotation"]
 
@@ -192,6 +192,7 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
     grid_ranks = (2, 3)
     # cos/sin tables: one compiled kernel rotates q and k (set_rotary_backend)
     rotary_backends = ("eager", "fused")
+    per_token_tables = True
 
     def __init__(
         self,

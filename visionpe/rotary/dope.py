@@ -36,8 +36,8 @@ from torch import nn
 from ..attention import PosAttention
 from ..base import RotaryPositionEncoding
 from ..checks import check_float
+from ..interfaces.rotary import split_heads
 from .base import LinearRotary
-from .state import split_heads
 
 __all__ = ["band_entropy", "band_scores", "select_bands", "set_band_mask", "clear_band_mask"]
 

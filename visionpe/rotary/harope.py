@@ -31,12 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention import PosAttention
 from ..base import RotaryPositionEncoding, check_rotate_input
 from ..checks import check_bool, check_choice
+from ..interfaces.rotary import LayerRotation, RotaryState
 from ..registry import register_scheme
 from .base import LinearRotary
 from .frequencies import axial_frequencies, check_axis_pairs, check_base, default_axis_pairs
-from .state import LayerRotation, RotaryState
 
 __all__ = ["HARoPE", "HARoPEState", "QKBasisRotation", "harope_matrices", "fold_harope_"]
 
@@ -151,6 +152,8 @@ class HARoPE(LinearRotary):
 
     onnx_refusal = "torch.linalg.matrix_exp (its U and V) has no ONNX translation; fold_harope_ first"
 
+    per_token_tables = False  # a learned basis change before the tables
+
     def __init__(
         self,
         dim: int,
@@ -240,8 +243,6 @@ def fold_harope_(model: nn.Module) -> nn.Module:
     Raises ValueError when the model has no HARoPE scheme, is already folded, has another rotary scheme before it,
     or normalises q/k after the projection (qk_norm): M would then not commute with the normalisation.
     """
-    from ..attention import PosAttention
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     schemes = [m for m in model.modules() if isinstance(m, HARoPE)]

@@ -15,7 +15,7 @@ with 2 x 2 blocks (RoPE-Mixed with learned rates, :meth:`LieBlockRotary.scaled_g
 generators do not commute, so no basis turns every token's exponent into a set of planar rotations, and LieRE takes
 PI only. ComRoPE's generators commute, and its subclasses rescale the eigenfrequencies of each block
 (:meth:`rotation_plan` receives the per-axis factors); YaRN's multiplier scales the rotated q and k (:class:`LieState`).
-Each block gets a :class:`BlockRotation` from the state (:mod:`visionpe.rotary.state`).
+Each block gets a :class:`BlockRotation` from the state (:mod:`visionpe.interfaces.rotary`).
 Rotary value embeddings (``rotate_values=True``; García-Castellanos, Weiler, Bekkers, "RoVE: Rotary Value Embeddings
 Attention for Relative Position-dependent Value Pathways", arXiv 2606.11275): v_j -> R(p_j) v_j before attention
 and o_i -> R(p_i)^T o_i after it (the rotations are orthogonal: the inverse is the transpose), without YaRN's
@@ -33,11 +33,11 @@ import torch
 
 from ..base import RotaryPositionEncoding, check_layer, check_model_shape
 from ..checks import check_bool, is_int
+from ..interfaces.rotary import IdentityRotation, LayerRotation, RotaryState
 from ..tokens import gather_tokens, scatter_tokens
 from .block_rotation import TokenRotations, apply_block_rotation
 from .expm import LayerExponentials, block_skew_expm
 from .scaling import SCALING_MODES, Extrapolation, yarn_attention_factor
-from .state import IdentityRotation, LayerRotation, RotaryState
 
 __all__ = ["LieBlockRotary", "LieState", "BlockRotation"]
 

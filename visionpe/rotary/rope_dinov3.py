@@ -93,7 +93,7 @@ class RopeDinoV3(LinearRotary):
             (i + 0.5) per axis, n_a, max(H, W) or min(H, W).
         shift_coords, jitter_coords, rescale_coords: the training-time augmentation's bounds, s >= 0 and J, S >= 1,
             or None (off). Released: None, None, 2. They set :attr:`coord_augment` (``kind="dinov3"``), which
-            :func:`~visionpe.grid.set_coord_augment` or the model's ``coord_augment=`` may replace.
+            :func:`~visionpe.base.set_coord_augment` or the model's ``coord_augment=`` may replace.
         grid_size: the training grid (the model passes it); kept as ``train_grid_size``, nothing depends on it.
 
     Extrapolation modes (PI, NTK, YaRN) do not apply: the normalised coordinates already interpolate.

@@ -7,7 +7,7 @@ position vector e(p). Each block l turns it into two multipliers, (pe_q, pe_k) =
 split per head), and multiplies them into q and k elementwise: q_i <- q_i * pe_q(p_i), k_j <- k_j * pe_k(p_j). This
 is a q/k *modulation*, not a rotation: it does not preserve norms and the scores are not a function of the offset
 alone. The scheme has kind "rotary" because it enters attention through q and k, by the typed rotary interface
-(:mod:`visionpe.rotary.state`). Prefix tokens (cls, registers) get a learned ``cls_token_pos_embed`` in place of
+(:mod:`visionpe.interfaces.rotary`). Prefix tokens (cls, registers) get a learned ``cls_token_pos_embed`` in place of
 e(p), which goes through the same per-block Linear.
 
 Two training losses shape the position vectors (:meth:`SeqPE.auxiliary_losses`, added to cross-entropy with
@@ -48,9 +48,9 @@ from torch import nn
 from ..base import RotaryPositionEncoding, check_layer, check_model_shape
 from ..checks import check_float, check_int
 from ..grid import validate_grid_size
+from ..interfaces.rotary import LayerRotation, RotaryState
 from ..registry import register_scheme
 from ..tokens import gather_tokens
-from .state import LayerRotation, RotaryState
 
 __all__ = ["SeqPE", "SeqPEEncoder", "SeqPEState", "SeqPEModulation", "pos2seq", "max_digits_for", "contrastive_batch"]
 

@@ -20,10 +20,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..attention import PosAttention
 from ..base import check_rotate_input
 from ..checks import check_bool
+from ..interfaces.rotary import LayerRotation, RotaryState
 from .base import LinearRotary
-from .state import LayerRotation, RotaryState
 
 __all__ = ["StringBase", "StringState", "BasisRotation", "fold_string_"]
 
@@ -128,6 +129,8 @@ class StringBase(LinearRotary):
     """
 
     depth_coords: bool = False  # set by the constructor (read while LinearRotary's sets up extrapolation)
+
+    per_token_tables = False  # a learned basis change before the tables
 
     def __init__(
         self,
@@ -290,8 +293,6 @@ def fold_string_(model: nn.Module) -> nn.Module:
     projection (qk_norm): P would then no longer commute with the normalisation; with ``rotate_values``, also when
     attention normalises or gates its output before the projection (P^T would not commute either).
     """
-    from ..attention import PosAttention
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     schemes = [m for m in model.modules() if isinstance(m, StringBase)]

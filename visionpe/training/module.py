@@ -217,11 +217,9 @@ class Classifier(L.LightningModule):
         models without position schemes (timm's own) and for schemes without such losses."""
         terms: dict[str, tuple[float, torch.Tensor]] = {}
         for key, scheme in getattr(self.model, "pos_schemes", {}).items():
-            if not hasattr(scheme, "auxiliary_losses"):
-                continue
-            weights = getattr(scheme, "auxiliary_loss_weights", {})
             for name, term in scheme.auxiliary_losses().items():
-                terms[f"{key}/{name}" if name in terms else name] = (float(weights.get(name, 1.0)), term)
+                weight = float(scheme.auxiliary_loss_weights.get(name, 1.0))
+                terms[f"{key}/{name}" if name in terms else name] = (weight, term)
         return terms
 
     def _mix(self, images: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Fused rotary application: q and k of the fused q/k/v projection output rotated by cos/sin tables in one kernel.
 
-The reference path (:meth:`~visionpe.rotary.state.LayerRotation.rotate_qkv`) runs a rotation as several eager
+The reference path (:meth:`~visionpe.interfaces.rotary.LayerRotation.rotate_qkv`) runs a rotation as several eager
 operations: in low precision, each table cast to the activations' dtype, a channel swap, two products and a sum,
 each a kernel with its own pass over q and k and each rounded. :func:`rotate_qkv_tables` is the same rotation
 written for ``torch.compile``: inductor turns it into one kernel (Triton on a GPU, C++ on a CPU) that reads q and k
@@ -22,7 +22,7 @@ import functools
 import torch
 
 from ..checks import check_instance, check_int
-from .state import LayerRotation
+from .rotary import LayerRotation
 
 __all__ = ["ROTARY_BACKENDS", "rotate_qkv_tables", "rotation_tables", "fused_rotate_qkv"]
 
@@ -33,7 +33,7 @@ def rotation_tables(
     rotation: LayerRotation, keep: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The cos/sin tables a block's rotation of q and k applies (its
-    :meth:`~visionpe.rotary.state.LayerRotation.fused_tables`), or None when it is no rotation by tables.
+    :meth:`~visionpe.interfaces.rotary.LayerRotation.fused_tables`), or None when it is no rotation by tables.
 
     Rotations by :func:`~visionpe.rotary.functional.rotary_tables` tables (RoPE-Axial, RoPE-Mixed, STRING once its
     basis P is folded into the projection, the other schemes built on :class:`~visionpe.rotary.base.LinearRotary`,
@@ -60,7 +60,7 @@ def rotate_qkv_tables(
 
     Returns:
         q, k, v, each (B, num_heads, T, head_dim) in ``qkv``'s dtype: q and k rotated in fp32 and rounded once, v a
-        copy. Equal to the reference path (:meth:`~visionpe.rotary.state.LayerRotation.rotate_qkv`) to the rounding
+        copy. Equal to the reference path (:meth:`~visionpe.interfaces.rotary.LayerRotation.rotate_qkv`) to the rounding
         of its dtype; gradients flow to ``qkv`` and to the tables.
 
     Example:
