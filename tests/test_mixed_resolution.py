@@ -227,7 +227,7 @@ def test_bad_arguments_are_refused():
         model({**batch, "patches": batch["patches"][..., :40]})
     with pytest.raises(ValueError, match=r"patches must have shape \(B, N, P\*P\*C\) with \(B, N\) = \(3, 20\)"):
         model({**batch, "patches": batch["patches"][:2]})
-    with pytest.raises(TypeError, match="forward_intermediates takes .* a mixed-resolution batch"):
+    with pytest.raises(TypeError, match=r"x of forward_intermediates must be \(B, C, H, W\) images .* got a mixed-res"):
         model.forward_intermediates(batch)
     with pytest.raises(TypeError, match="patches must be a floating-point"):
         naflex_inputs({**batch, "patches": batch["patches"].long()})

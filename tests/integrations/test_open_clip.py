@@ -81,3 +81,19 @@ def test_text_cfg_is_checked_against_open_clip():
     with pytest.raises(TypeError, match="text_cfg must be a dict"):
         register_open_clip_model("visionpe-bad-text", pos_embed="learned", text_cfg=[("width", 32)])
     assert "visionpe-bad-text" not in open_clip.list_models()
+
+
+def test_tower_arguments_are_checked_at_registration():
+    """An unknown ViT argument, or one timm would stop at, fails when the tower is registered, not when open_clip
+    builds it."""
+    with pytest.raises(TypeError, match=r"vit_kwargs must be arguments of VisionPEViT .* got unknown \['bogus'\]"):
+        register_open_clip_model("visionpe-bad-vit", pos_embed="learned", vision=dict(VISION, bogus=1))
+    with pytest.raises(TypeError, match=r"depth must be a positive int, got str \('2'\)"):
+        register_open_clip_model("visionpe-bad-vit", pos_embed="learned", vision=dict(VISION, depth="2"))
+    with pytest.raises(ValueError, match=r"embed_dim must be divisible by num_heads, got embed_dim=30"):
+        register_open_clip_model(
+            "visionpe-bad-vit", pos_embed="learned", vision=dict(VISION, embed_dim=30, num_heads=4)
+        )
+    with pytest.raises(ValueError, match=r"mlp_ratio must be a positive finite number, got 0"):
+        register_open_clip_model("visionpe-bad-vit", pos_embed="learned", vision=dict(VISION, mlp_ratio=0))
+    assert "visionpe-bad-vit" not in open_clip.list_models()

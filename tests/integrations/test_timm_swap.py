@@ -4,11 +4,13 @@ schemes; its own encoding translated reproduces its logits."""
 import copy
 
 import pytest
+import timm
 import torch
 from timm.models.eva import Eva
 from timm.models.vision_transformer import ResPostBlock, VisionTransformer
 
 import visionpe
+from visionpe.contract import UnsupportedSchemeError
 from visionpe.integrations.timm import SwapReport, VisionPEEva, apply_position_scheme, own_position_scheme
 from visionpe.rotary.rope_dinov3 import half_to_interleaved
 
@@ -228,7 +230,7 @@ def test_swap_between_visionpe_schemes():
 
 
 def test_bad_input():
-    with pytest.raises(TypeError, match=r"Linear.*|supports the model classes.*Eva"):
+    with pytest.raises(TypeError, match=r"model must be of a class apply_position_scheme supports \(.*Eva.*\), got"):
         apply_position_scheme(torch.nn.Linear(2, 2), "learned")
 
     class OtherViT(VisionTransformer):
@@ -241,9 +243,9 @@ def test_bad_input():
     model = _model("eva02")
     with pytest.raises(ValueError, match="unknown position scheme 'nope'"):
         apply_position_scheme(model, "nope")
-    with pytest.raises(ValueError, match="'gta' is a camera scheme"):
+    with pytest.raises(UnsupportedSchemeError, match="'gta' needs cameras.*visionpe_mvvit_"):
         apply_position_scheme(model, ["learned", "gta"])
-    with pytest.raises(ValueError, match="'mrope' is a multimodal scheme"):
+    with pytest.raises(ValueError, match="'mrope' is a multimodal design"):
         apply_position_scheme(model, "mrope")
     with pytest.raises(ValueError, match="'cpe' runs after blocks"):
         apply_position_scheme(model, "cpe")
@@ -273,3 +275,38 @@ def test_rope_axial_axis_order_and_coord_offset():
         visionpe.create_pos_embed("rope_axial", dim=64, num_heads=4, axis_order="xt")
     with pytest.raises(ValueError, match="coord_offset shifts integer positions"):
         visionpe.create_pos_embed("rope_axial", dim=64, num_heads=4, coord_offset=1.0, coord_mode="centered")
+
+
+def test_converted_models_check_their_input():
+    """timm's Eva and NaFlexVit forwards stopped at torch's RuntimeError (dtype, empty batch), AttributeError (not a
+    tensor), AssertionError (image size, NaFlex batch without patch_coord) or KeyError (a dict without patches)."""
+    eva = _model("eva02")
+    apply_position_scheme(eva, "rope_axial")
+    x = torch.randn(1, 3, 32, 32)
+    assert eva(x).isfinite().all()
+    for call, error, match in [
+        (lambda: eva(x.double()), ValueError, r"x must have the model's dtype torch.float32 .*got dtype torch.float64"),
+        (lambda: eva(x[:0]), ValueError, r"x must be a non-empty batch \(B, C, H, W\) .*got \(0, 3, 32, 32\)"),
+        (lambda: eva([[0.0]]), TypeError, r"x must be a batch \(B, C, H, W\) as a torch.Tensor, got list"),
+        (lambda: eva(torch.randn(1, 3, 30, 32)), ValueError, r"x has image size 30x32, not divisible by the patch"),
+        (lambda: eva.forward_intermediates(x, indices=3), ValueError, r"indices must be None, .*\[1, 2\].* got 3"),
+    ]:
+        with pytest.raises(error, match=match):
+            call()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert eva(x.bfloat16()).isfinite().all()
+
+    naflex = timm.create_model(
+        "naflexvit_base_patch16_gap", patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=3
+    ).eval()
+    apply_position_scheme(naflex, "rope_axial")
+    assert naflex(x).isfinite().all()
+    for call, error, match in [
+        (lambda: naflex({}), ValueError, r"a NaFlex batch dict must hold 'patches'"),
+        (lambda: naflex({"patches": torch.randn(1, 4, 192)}), ValueError, r"needs patch_coord .* got patch_coord=None"),
+        (lambda: naflex(x.double()), ValueError, r"x must have the model's dtype torch.float32"),
+        (lambda: naflex(torch.randn(3, 32, 32)), ValueError, r"x must be a batch \(B, C, H, W\), got \(3, 32, 32\)"),
+        (lambda: naflex(torch.randn(1, 3, 30, 32)), ValueError, r"x has image size 30x32, not divisible by the patch"),
+    ]:
+        with pytest.raises(error, match=match):
+            call()

@@ -145,7 +145,7 @@ def test_gradients_reach_every_parameter():
         (dict(pos_embed="alibi2d"), "absolute or rotary"),
         (dict(class_token=True), "class_token must be False"),
         (dict(reg_tokens=2), "reg_tokens must be 0"),
-        (dict(camera_embed="rope_axial"), "camera_embed must name camera schemes"),
+        (dict(camera_embed="rope_axial"), "camera_embed here takes camera schemes"),
         (dict(camera_embed="no_such_scheme"), "unknown position scheme"),
         (dict(num_views=0), "num_views"),
     ],
@@ -194,3 +194,27 @@ def test_depth_maps_reach_the_schemes_that_read_them():
         mvvit(camera_embed="gta")(x, cams, depth=depth)
     with pytest.raises(ValueError, match=r"depth must be \(B, V, H, W\)"):
         known(x, cams, depth=depth[:, :1])
+
+
+def test_camera_embed_refusals_name_camera_embed():
+    with pytest.raises(ValueError, match=r"camera_embed lists a scheme twice: \['gta', 'gta'\]"):
+        mvvit(camera_embed=["gta", "gta"])
+    with pytest.raises(TypeError, match=r"camera_embed must be a scheme name or a non-empty list of names, got 5"):
+        mvvit(camera_embed=5)
+    with pytest.raises(TypeError, match=r"camera_embed_kwargs must be a dict, got str"):
+        mvvit(camera_embed="gta", camera_embed_kwargs="x")
+
+
+def test_image_checks_show_the_multi_view_batch_given():
+    """The images were checked as (B * V, C, H, W): a channels-last batch showed the flattened shape."""
+    model = mvvit(camera_embed="gta")
+    with pytest.raises(ValueError, match=r"\(B, V, C, H, W\) with .* got \(2, 2, 16, 16, 3\) \(channels last\? x"):
+        model(torch.randn(2, 2, 16, 16, 3), cameras())
+    with pytest.raises(ValueError, match=r"x must have the model's dtype torch.float32 .*got dtype torch.float64"):
+        model(torch.randn(2, 2, 3, 16, 16, dtype=torch.float64), cameras())
+    with pytest.raises(TypeError, match=r"x must be a multi-view batch \(B, V, C, H, W\), a tensor, got list"):
+        model([[0.0]], cameras())
+    with pytest.raises(ValueError, match=r"indices\[0\] must be an int in \[-2, 1\], got 5"):
+        model.forward_intermediates(torch.randn(2, 2, 3, 16, 16), cameras(), indices=[5])
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts the images itself
+        assert model(torch.randn(2, 2, 3, 16, 16, dtype=torch.bfloat16), cameras()).isfinite().all()

@@ -353,3 +353,80 @@ def test_load_timm_state_dict_rejects_non_tensors():
         visionpe.load_timm_state_dict(model, {"pos_embed": "x"})
     with pytest.raises(TypeError, match="keys must be parameter names"):
         visionpe.load_timm_state_dict(model, {0: torch.zeros(1)})
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(depth=0), ValueError, r"depth must be a positive int, got 0"),
+        (dict(depth=1.5), TypeError, r"depth must be a positive int, got float \(1.5\)"),
+        (dict(patch_size=0), ValueError, r"patch_size must be a positive int or \(H, W\) pair .*, got 0"),
+        (dict(img_size=(32, 32, 3)), ValueError, r"img_size must be .* got \(32, 32, 3\)"),
+        (dict(embed_dim=100, num_heads=3), ValueError, r"embed_dim must be divisible by num_heads, got embed_dim=100"),
+        (dict(num_heads=0), ValueError, r"num_heads must be a positive int, got 0"),
+        (dict(in_chans=0), ValueError, r"in_chans must be a positive int, got 0"),
+        (dict(num_classes=-1), ValueError, r"num_classes must be a non-negative int \(0: no head\), got -1"),
+        (dict(mlp_ratio=0), ValueError, r"mlp_ratio must be a positive finite number, got 0"),
+        (dict(drop_path_rate=1.5), ValueError, r"drop_path_rate must be a number in \[0, 1\], got 1.5"),
+        (dict(class_token=False), ValueError, r"class_token must be True for global_pool='token' .*got class_token=F"),
+        (dict(global_pool="mean"), ValueError, r"global_pool must be one of \(.*'avg'.*\), got 'mean'"),
+        (dict(dynamic_img_size="yes"), TypeError, r"dynamic_img_size must be a bool, got str \('yes'\)"),
+    ],
+)
+def test_model_arguments_are_checked_before_timm_builds(kwargs, error, match):
+    """Before the check, timm stopped at an IndexError (depth=0), a ZeroDivisionError (patch_size=0) or a bare
+    AssertionError (embed_dim not divisible by num_heads), or built a model that cannot run (in_chans=0)."""
+    names = ["visionpe_vit_tiny_patch16_224", "visionpe_video_vit_tiny_tubelet2x16", "visionpe_mvvit_tiny_patch16"]
+    if "class_token" in kwargs:
+        names.pop()  # the multi-view ViT has no class token and pools "avg"
+    for name in names:
+        with pytest.raises(error, match=match):
+            timm.create_model(name, pos_embed="none", **{**TINY, **kwargs})
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_input_of_another_dtype_than_the_model_is_refused_outside_autocast(dtype):
+    """torch stopped at the patch embedding ("Input type (double) and bias type (float) should be the same")."""
+    model = _model("rope_axial", **TINY)
+    x = torch.randn(1, 3, 32, 32)
+    with pytest.raises(ValueError, match=rf"x must have the model's dtype torch.float32 .*got dtype {dtype}"):
+        model(x.to(dtype))
+    if dtype != torch.float64:  # autocast casts low-precision input itself (it leaves float64 alone)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model(x.to(dtype)).isfinite().all()
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="got dtype torch.float64"):
+        model(x.double())
+    model.to(dtype)  # a model in that dtype takes it, and refuses float32
+    assert model(x.to(dtype)).isfinite().all()
+    with pytest.raises(ValueError, match=rf"x must have the model's dtype {dtype} .*got dtype torch.float32"):
+        model(x)
+
+
+def test_input_messages_show_the_shape_given():
+    model = _model("rope_axial", **TINY)
+    with pytest.raises(ValueError, match=r"got \(2, 32, 32, 3\) \(channels last\? x.permute\(0, 3, 1, 2\)"):
+        model(torch.randn(2, 32, 32, 3))
+    with pytest.raises(TypeError, match=r"x must be a batch \(B, C, H, W\) as a torch.Tensor, got list"):
+        model([[0.0]])
+    with pytest.raises(ValueError, match=r"x has image size 24x24, which does not match the model's img_size"):
+        model(torch.randn(1, 3, 24, 24))
+    with pytest.raises(TypeError, match=r"x must be a batch .* got list"):  # checked before x.shape is read
+        model.forward_intermediates([[0.0]])
+
+
+@pytest.mark.parametrize(
+    "indices, match",
+    [
+        (0, r"indices must be None, a number of last blocks in \[1, 3\] or a list of block indices, got 0"),
+        (4, r"indices must be None, .* got 4"),
+        (2.0, r"indices must be None, .* got float \(2.0\)"),
+        ([], r"indices must name at least one block \(of 3\), got \[\]"),
+        ([0, 3], r"indices\[1\] must be an int in \[-3, 2\], got 3"),
+    ],
+)
+def test_forward_intermediates_checks_indices(indices, match):
+    """timm's feature_take_indices stopped at a bare AssertionError."""
+    model = _model("rope_axial", **TINY)
+    with pytest.raises((ValueError, TypeError), match=match):
+        model.forward_intermediates(torch.randn(1, 3, 32, 32), indices=indices)
+    assert len(model.forward_intermediates(torch.randn(1, 3, 32, 32), indices=[-1, 0])[1]) == 2

@@ -10,7 +10,7 @@ import visionpe
 from visionpe.grid import grid_coords, prefix_mask, validate_grid_size
 from visionpe.multimodal import MultimodalRotary, apply_multimodal_rotary, get_position_ids
 
-from ..conftest import ABSOLUTE, EXTRAPOLATING, EXTRAPOLATION_OPTIONS
+from ..conftest import ABSOLUTE, EXTRAPOLATING, EXTRAPOLATION_OPTIONS, FAMILY_REPRESENTATIVES
 from .helpers import ROTARY, tiny_vit
 
 NAN, INF = float("nan"), float("inf")
@@ -99,11 +99,27 @@ def _rotate_cases():
     ]
 
 
+# Every case runs on one scheme per implementation family (tests/conftest.py: the family's rotate and prepare); every
+# rotary scheme runs, on one instance, the cases that read what the scheme sets itself: its heads, head_dim and depth,
+# its coordinate axes and its coordinate builder.
+OWN_CASES = ("heads", "head_dim", "layer", "coords_3d", "grid_float", "grid_negative")
+
+
 @pytest.mark.parametrize("case", _rotate_cases(), ids=lambda c: c[0])
-@pytest.mark.parametrize("name", ROTARY)
+@pytest.mark.parametrize("name", [n for n in FAMILY_REPRESENTATIVES if n in ROTARY])
 def test_rotary_rotate(name, case):
     _, call, error, match = case
     _run(lambda: call(_rotary(name)), error, match)
+
+
+@pytest.mark.parametrize("name", ROTARY)
+def test_rotary_rotate_checks_what_the_scheme_sets(name):
+    scheme = _rotary(name)
+    cases = [case for case in _rotate_cases() if case[0] in OWN_CASES]
+    assert len(cases) == len(OWN_CASES)
+    for _, call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call(scheme)
 
 
 @pytest.mark.parametrize(
@@ -250,7 +266,7 @@ def test_bias_layer_and_piecewise_index():
         _case(
             lambda: tiny_vit("rope_axial", dynamic_img_size=True)(torch.randn(1, 3, 36, 32)),
             ValueError,
-            r"image size 36x32 is not divisible by the patch size 8x8; .*dynamic_img_pad=True",
+            r"x has image size 36x32, not divisible by the patch size 8x8; .*dynamic_img_pad=True",
             "not_multiple_input",
         ),
         _case(
@@ -267,8 +283,8 @@ def test_bias_layer_and_piecewise_index():
         ),
         _case(
             lambda: tiny_vit("rope_axial").set_input_size(img_size=32.5),
-            ValueError,
-            r"img_size must be a positive int or \(H, W\) pair of positive ints, got \(32.5, 32.5\)",
+            TypeError,
+            r"img_size must be a positive int or \(H, W\) pair of positive ints, got float \(32.5\)",
             "float_resize",
         ),
         _case(
@@ -304,6 +320,42 @@ def test_bias_layer_and_piecewise_index():
             ValueError,
             r"x must be a batch \(B, C, T, H, W\), got \(1, 3, 32, 32\)",
             "video_rank",
+        ),
+        _case(
+            lambda: timm.create_model("visionpe_video_vit_tiny_tubelet2x16", depth=1, img_size=32, tubelet_size=0),
+            ValueError,
+            r"tubelet_size must be a positive int, got 0",
+            "video_tubelet_zero",
+        ),
+        _case(
+            lambda: timm.create_model("visionpe_video_vit_tiny_tubelet2x16", depth=1, img_size=32, num_frames=4.0),
+            TypeError,
+            r"num_frames must be a positive int, got float \(4.0\)",
+            "video_frames_float",
+        ),
+        _case(
+            lambda: timm.create_model(
+                "visionpe_video_vit_tiny_tubelet2x16", depth=1, img_size=32, num_frames=4, dynamic_img_pad=True
+            ),
+            ValueError,
+            r"VideoPEViT does not pad frames: .*dynamic_img_pad must be False, got True",
+            "video_pad",
+        ),
+        _case(
+            lambda: timm.create_model(
+                "visionpe_video_vit_tiny_tubelet2x16", pos_embed="rope_axial", depth=1, img_size=32, num_frames=4
+            )(torch.randn(1, 3, 4, 32, 32, dtype=torch.float64)),
+            ValueError,
+            r"x must have the model's dtype torch.float32 .*got dtype torch.float64",
+            "video_f64",
+        ),
+        _case(
+            lambda: timm.create_model(
+                "visionpe_video_vit_tiny_tubelet2x16", pos_embed="rope_axial", depth=1, img_size=32, num_frames=4
+            )(torch.randn(1, 3, 5, 32, 32)),
+            ValueError,
+            r"x has clip size 5x32x32 \(T x H x W\), not divisible by the tubelet 2x16x16",
+            "video_frames",
         ),
         _case(
             lambda: visionpe.set_extrapolation(tiny_vit("rope_axial"), "yarn", alpha="1"),

@@ -14,6 +14,7 @@ it raises an ImportError that says so. ``import visionpe`` never imports it.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from timm.models import build_model_with_cfg, is_model, register_model
+from timm.models.vision_transformer import VisionTransformer
 
 try:
     import open_clip  # noqa: F401  (used by the functions below)
@@ -33,7 +35,9 @@ except ImportError as err:
         'pip install -e ".[clip]"'
     ) from err
 
-from ..models.vit import VisionPEViT, normalize_schemes
+from ..checks import ArgumentTypeError, check_int
+from ..contract import EntryPoint, register_entry_point
+from ..models.vit import VisionPEViT, check_vit_args, normalize_schemes
 from .timm import feature_cfg
 
 __all__ = ["register_open_clip_model", "register_visionpe_tower"]
@@ -46,6 +50,31 @@ _TOWERS = sys.modules.setdefault(
 _TOWER_OWNERS: dict[str, str] = _TOWERS.__dict__.setdefault("open_clip_names", {})
 _CONFIG_DIR: Path | None = None
 _POSITIVE_TEXT_SIZES = ("context_length", "vocab_size", "width", "heads", "layers", "mlp_ratio")
+# the keyword arguments a tower takes besides those register_visionpe_tower names (fail at registration, not when
+# open_clip builds the model)
+_VIT_ARGUMENTS = {
+    name
+    for cls in (VisionPEViT, VisionTransformer)
+    for name, p in inspect.signature(cls.__init__).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY or p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+} - {"self", "pos_embed", "pos_embed_kwargs", "img_size", "patch_size", "embed_dim", "depth", "num_heads"}
+
+#: the image tower of an open_clip model (:func:`register_open_clip_model`): open_clip calls it with images alone
+#: (no depth maps, no causal attention, no mixed-resolution batch)
+OPEN_CLIP_ENTRY = register_entry_point(
+    EntryPoint(
+        name="visionpe.integrations.open_clip.register_open_clip_model",
+        argument="pos_embed",
+        kinds=("absolute", "rotary", "bias"),
+        label="open_clip tower",
+    )
+)
+
+
+class OpenCLIPTower(VisionPEViT):
+    """The :class:`VisionPEViT` of an open_clip image tower: its schemes are checked against what open_clip passes."""
+
+    entry_point = OPEN_CLIP_ENTRY
 
 
 def register_visionpe_tower(
@@ -67,7 +96,7 @@ def register_visionpe_tower(
     """
     if not isinstance(tower_name, str) or not tower_name.isidentifier():
         raise ValueError(f"tower_name must be a Python identifier, got {tower_name!r}")
-    normalize_schemes(pos_embed, pos_embed_kwargs)  # fail now on unknown schemes or options, not at build
+    normalize_schemes(pos_embed, pos_embed_kwargs, OPEN_CLIP_ENTRY)  # fail now, not when open_clip builds it
     for key, value in (
         ("img_size", img_size),
         ("patch_size", patch_size),
@@ -75,8 +104,12 @@ def register_visionpe_tower(
         ("depth", depth),
         ("num_heads", num_heads),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{key} must be a positive int, got {value!r}")
+        check_int(value, key, min=1)
+    unknown = sorted(set(vit_kwargs) - _VIT_ARGUMENTS)
+    if unknown:
+        raise ArgumentTypeError(
+            f"vit_kwargs must be arguments of VisionPEViT (timm's VisionTransformer), got unknown {unknown}"
+        )
     if img_size % patch_size:
         raise ValueError(f"img_size={img_size} must be divisible by patch_size={patch_size}")
     defaults = dict(
@@ -90,6 +123,7 @@ def register_visionpe_tower(
         dynamic_img_size=True,
         **vit_kwargs,
     )
+    check_vit_args({k: v for k, v in defaults.items() if k not in ("pos_embed", "pos_embed_kwargs")})
     pretrained_cfg = {
         "num_classes": 0,
         "input_size": (3, img_size, img_size),
@@ -110,7 +144,7 @@ def register_visionpe_tower(
         kwargs.pop("cache_dir", None)
         args = {**defaults, **kwargs}
         features = feature_cfg(args)
-        return build_model_with_cfg(VisionPEViT, tower_name, False, pretrained_cfg=cfg, feature_cfg=features, **args)
+        return build_model_with_cfg(OpenCLIPTower, tower_name, False, pretrained_cfg=cfg, feature_cfg=features, **args)
 
     entrypoint.__name__ = entrypoint.__qualname__ = tower_name
     entrypoint.__module__ = _TOWERS.__name__

@@ -8,7 +8,7 @@ schemes add to the logits (scaled dot-product attention, with the bias as its ma
 tokens. The model's own table (``pos_embed``) and rotary module (``rope``) are removed; patch embedding, prefix
 tokens, q/k/v (EVA's separate q and v biases included), q/k norms, MLPs (SwiGLU included), norms and head keep their
 weights. The schemes live in ``model.pos_schemes``, as in :class:`~visionpe.models.vit.VisionPEViT`, so
-:func:`~visionpe.set_extrapolation`, :func:`~visionpe.grid.set_coord_augment` and the other model-level tools
+:func:`~visionpe.set_extrapolation`, :func:`~visionpe.base.set_coord_augment` and the other model-level tools
 find them.
 
 ``pos_embed=None`` translates the model's own encoding (:func:`own_position_scheme`), exactly: timm's learned
@@ -46,7 +46,7 @@ visionpe equivalent (ValueError for ``pos_embed=None``; name the schemes instead
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -62,14 +62,23 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..attention import PosAttention, PosBlock, PositionContext
+from ..contract import EntryPoint, register_entry_point
 from ..grid import CoordAugment
 from ..models.convert import LoadReport
 from ..models.naflex import apply_per_grid, build_mixed_position_context, naflex_inputs
-from ..models.vit import VisionPEViT, create_model_scheme, normalize_schemes, schemes_no_weight_decay
-from ..registry import get_scheme_class
+from ..models.vit import (
+    VisionPEViT,
+    _check_dtype,
+    _check_images,
+    _feature_indices,
+    create_model_scheme,
+    normalize_schemes,
+    schemes_no_weight_decay,
+)
 from ..rotary.rope_dinov3 import half_to_interleaved
 
 __all__ = [
+    "SWAP_ENTRY",
     "apply_position_scheme",
     "own_position_scheme",
     "SwapReport",
@@ -79,6 +88,18 @@ __all__ = [
     "RopePosAttention",
     "SUPPORTED_MODELS",
 ]
+
+#: :func:`apply_position_scheme` on a timm ViT, Eva or NaFlexVit: one image grid, mixed-resolution batches through
+#: NaFlexVit; the timm forwards pass no depth maps
+SWAP_ENTRY = register_entry_point(
+    EntryPoint(
+        name="visionpe.integrations.timm.apply_position_scheme",
+        argument="pos_embed",
+        kinds=("absolute", "rotary", "bias"),
+        mixed_resolution=True,
+        label="`apply_position_scheme`",
+    )
+)
 
 #: the timm model classes :func:`apply_position_scheme` converts (and the visionpe classes they become)
 SUPPORTED_MODELS = (
@@ -131,7 +152,6 @@ class _PositionAttention:
     _attend_chunked = PosAttention._attend_chunked
     _fused_terms = PosAttention._fused_terms
     _attend = PosAttention._attend
-    _augment_qk = PosAttention._augment_qk
 
     def forward(
         self,
@@ -154,10 +174,10 @@ class _PositionAttention:
         if pos.rotary:
             q, k = rotation.rotate_tokens(torch.stack((q, k)), pos.keep).unbind(0)
             v = rotation.rotate_values(v, pos.keep)
-        tokens = x if any(scheme.needs_tokens for scheme, _ in pos.bias) else None
-        if pos.augments_qk:
-            q, k = self._augment_qk(q, k, tokens, pos)
-        out = self._attend_chunked(q, k, v, pos, attn_mask, is_causal, tokens)
+        layers = pos.bias_layers(self.layer, x)
+        for layer in layers:
+            q, k = layer.augment_qk(q, k)
+        out = self._attend_chunked(q, k, v, pos, layers, attn_mask, is_causal)
         if pos.rotary:
             out = rotation.unrotate_output(out, pos.keep)
         out = self.norm(out.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim))
@@ -249,6 +269,24 @@ class VisionPEEva(_ConvertedModel, Eva):
             "visionpe.integrations.timm.apply_position_scheme(model, pos_embed)"
         )
 
+    # the input checks of a VisionPEViT (type, rank, dtype, channels, size), before timm reads the images
+    _input_options = VisionPEViT._input_options
+    _input_dtype = VisionPEViT._input_dtype
+    _check_input = VisionPEViT._check_input
+
+    def forward_features(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
+    ) -> torch.Tensor:
+        """timm's ``forward_features``, the images ``x`` checked first as a visionpe ViT checks them."""
+        self._check_input(x)
+        return super().forward_features(x, attn_mask=attn_mask, is_causal=is_causal)
+
+    def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, *args: Any, **kwargs: Any):
+        """timm's ``forward_intermediates``, ``x`` and ``indices`` checked first."""
+        self._check_input(x)
+        _feature_indices(indices, len(self.blocks))
+        return super().forward_intermediates(x, indices, *args, **kwargs)
+
     def _pos_embed(self, x: torch.Tensor) -> tuple[torch.Tensor, PositionContext]:
         if self.dynamic_img_size:
             B, H, W, C = x.shape
@@ -307,6 +345,29 @@ class VisionPENaFlexVit(_ConvertedModel, NaFlexVit):
             "visionpe.integrations.timm.apply_position_scheme(model, pos_embed)"
         )
 
+    def _check_input(self, x: torch.Tensor) -> None:
+        """Images (B, C, H, W) of any size divisible by the patch (any size with ``dynamic_img_pad``), the model's
+        dtype outside autocast."""
+        embeds = self.embeds
+        dtype = embeds.proj.weight.dtype
+        _check_images(x, embeds.in_chans, None, tuple(embeds.patch_size), True, embeds.dynamic_img_pad, dtype=dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor | Mapping[str, Any],
+        patch_coord: torch.Tensor | None = None,
+        patch_valid: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """timm's ``forward`` (logits of images, or of a mixed-resolution batch pooled over its valid patches), the
+        NaFlex batch checked first (:func:`~visionpe.models.naflex.naflex_inputs`: timm would stop at a KeyError or a
+        bare AssertionError)."""
+        if isinstance(x, Mapping) or patch_coord is not None or patch_valid is not None:
+            patches, layout = naflex_inputs(x, patch_coord, patch_valid, attn_mask, unflattened=True)
+            features = self.forward_features(patches, layout.patch_coord, layout.patch_valid)
+            return self.forward_head(**features)
+        return self.forward_head(self.forward_features(x))
+
     def _forward_embeds(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         raise TypeError(
             "after apply_position_scheme, a NaFlexVit runs its blocks with visionpe's position context: call "
@@ -343,8 +404,10 @@ class VisionPENaFlexVit(_ConvertedModel, NaFlexVit):
         layout, grid_size = None, None
         if patch_coord is not None or patch_valid is not None:
             patches, layout = naflex_inputs(patches, patch_coord, patch_valid, attn_mask, unflattened=True)
+            _check_dtype(patches, "patches", self.embeds.proj.weight.dtype)
             x, _ = self.embeds(patches, patch_coord=layout.patch_coord, patch_valid=layout.patch_valid)
         else:
+            self._check_input(patches)
             x, grid_size = self.embeds(patches)
             grid_size = tuple(int(n) for n in grid_size)
         x = self.pos_drop(self._add_absolute(x, layout, grid_size, None))
@@ -399,7 +462,7 @@ def _model_family(model: Any) -> str:
     if type(model) in (NaFlexVit, VisionPENaFlexVit):
         return "naflex"
     raise TypeError(
-        f"apply_position_scheme supports the model classes {', '.join(SUPPORTED_MODELS)}, "
+        f"model must be of a class apply_position_scheme supports ({', '.join(SUPPORTED_MODELS)}), "
         f"got {type(model).__module__}.{type(model).__qualname__}"
     )
 
@@ -545,33 +608,6 @@ def own_position_scheme(model: nn.Module) -> dict[str, dict[str, Any]]:
 # -- the swap ---------------------------------------------------------------------------------------------------
 
 
-def _check_names(pos_embed: Any) -> None:
-    """ValueError naming a camera or multimodal scheme (not a single-image scheme); the registry's ValueError for
-    an unknown name comes from :func:`normalize_schemes`."""
-    names = [pos_embed] if isinstance(pos_embed, str) else pos_embed if isinstance(pos_embed, Sequence) else []
-    for name in names:
-        if not isinstance(name, str):
-            continue
-        try:
-            kind = get_scheme_class(name).kind
-        except ValueError:
-            from ..multimodal import list_multimodal_schemes
-
-            if name in list_multimodal_schemes():
-                raise ValueError(
-                    f"{name!r} is a multimodal scheme (positions of the text and image tokens of a vision-language "
-                    "model, visionpe.multimodal); a timm ViT takes absolute, rotary or bias schemes"
-                ) from None
-            raise
-        if kind not in ("absolute", "rotary", "bias"):
-            needs = (
-                " (it needs the cameras of a multi-view model, visionpe.models.multiview_vit)"
-                if kind == "camera"
-                else ""
-            )
-            raise ValueError(f"{name!r} is a {kind} scheme{needs}; a timm ViT takes absolute, rotary or bias schemes")
-
-
 def _check_blocks(model: nn.Module, family: str) -> None:
     """TypeError naming a block or attention class the swap does not handle (before anything changes)."""
     for i, blk in enumerate(model.blocks):
@@ -703,8 +739,7 @@ def apply_position_scheme(
                 "none; name the scheme(s) to use (pos_embed=...)"
             )
         pos_embed = list(own)
-    _check_names(pos_embed)
-    schemes = normalize_schemes(pos_embed, pos_embed_kwargs)
+    schemes = normalize_schemes(pos_embed, pos_embed_kwargs, SWAP_ENTRY)
     reference = next(iter(model.parameters()))
 
     new_schemes, copied = nn.ModuleDict(), []

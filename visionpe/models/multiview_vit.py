@@ -23,18 +23,40 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from timm.models._features import feature_take_indices
 from torch import nn
 
 from ..attention import PositionContext
-from ..camera.base import AbsoluteCameraEncoding, CameraPositionEncoding, RelativeCameraEncoding
+from ..camera.base import AbsoluteCameraEncoding, RelativeCameraEncoding
 from ..camera.cameras import Cameras
-from ..checks import check_int, describe
-from ..registry import create_pos_embed, get_scheme_class
-from ..rotary.state import LayerRotation, RotaryState
-from .vit import VisionPEViT, normalize_schemes
+from ..checks import ArgumentTypeError, check_int, describe
+from ..contract import EntryPoint, check_built_scheme, register_entry_point
+from ..interfaces.rotary import LayerRotation, RotaryState
+from ..registry import create_pos_embed
+from .vit import VisionPEViT, _check_images, _feature_indices, normalize_schemes
 
-__all__ = ["MultiViewViT", "ViewTiledRotation", "ViewTiledState"]
+__all__ = ["MULTIVIEW_ENTRY", "MULTIVIEW_CAMERA_ENTRY", "MultiViewViT", "ViewTiledRotation", "ViewTiledState"]
+
+#: the within-view schemes of ``timm.create_model("visionpe_mvvit_*", pos_embed=...)`` (:class:`MultiViewViT`):
+#: absolute or rotary, each view on its own 2D grid (a bias is built for one grid's offsets and has no meaning
+#: between two views)
+MULTIVIEW_ENTRY = register_entry_point(
+    EntryPoint(
+        name='timm.create_model("visionpe_mvvit_*")',
+        argument="pos_embed",
+        kinds=("absolute", "rotary"),
+        label="`visionpe_mvvit_*` `pos_embed`",
+    )
+)
+#: the camera schemes of the multi-view ViT (``camera_embed=...``): the views' cameras and, when given, their depths
+MULTIVIEW_CAMERA_ENTRY = register_entry_point(
+    EntryPoint(
+        name='timm.create_model("visionpe_mvvit_*")',
+        argument="camera_embed",
+        kinds=("camera",),
+        provides=frozenset({"cameras", "patch_depth"}),
+        label="`visionpe_mvvit_*` `camera_embed`",
+    )
+)
 
 
 class ViewTiledRotation(LayerRotation):
@@ -106,6 +128,8 @@ class MultiViewViT(VisionPEViT):
         torch.Size([1, 4])
     """
 
+    entry_point = MULTIVIEW_ENTRY
+
     def __init__(
         self,
         camera_embed: str | Sequence[str] | None = None,
@@ -125,34 +149,17 @@ class MultiViewViT(VisionPEViT):
         kwargs.update(class_token=False, reg_tokens=0)
         kwargs.setdefault("global_pool", "avg")
         kwargs.setdefault("dynamic_img_size", True)
-        for name in normalize_schemes(pos_embed, pos_embed_kwargs):
-            kind = get_scheme_class(name).kind
-            if kind not in ("absolute", "rotary"):
-                raise ValueError(
-                    f"pos_embed of a MultiViewViT must be absolute or rotary 2D schemes (a bias is built for one "
-                    f"grid's offsets and has no meaning between two views); got {name!r} of kind {kind!r}"
-                )
         super().__init__(pos_embed=pos_embed, pos_embed_kwargs=pos_embed_kwargs, **kwargs)
         self.camera_schemes = nn.ModuleDict()
         if camera_embed is not None and camera_embed != "none":
-            cameras = normalize_schemes(camera_embed, camera_embed_kwargs)
+            cameras = normalize_schemes(camera_embed, camera_embed_kwargs, MULTIVIEW_CAMERA_ENTRY)
             depth, num_heads = len(self.blocks), self.blocks[0].attn.num_heads
             for name, opts in cameras.items():
-                if not issubclass(get_scheme_class(name), CameraPositionEncoding):
-                    raise ValueError(
-                        f"camera_embed must name camera schemes ({', '.join(self._camera_scheme_names())}); "
-                        f"got {name!r}, a {get_scheme_class(name).kind} scheme (pass it as pos_embed)"
-                    )
                 self.camera_schemes[name] = create_pos_embed(
                     name, dim=self.embed_dim, num_heads=num_heads, depth=depth, **opts
                 )
+                check_built_scheme(MULTIVIEW_CAMERA_ENTRY, name, self.camera_schemes[name])
         self.camera_embed_names = list(self.camera_schemes)
-
-    @staticmethod
-    def _camera_scheme_names() -> list[str]:
-        from ..registry import list_schemes
-
-        return list_schemes("camera")
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> dict[str, Any]:
@@ -164,9 +171,12 @@ class MultiViewViT(VisionPEViT):
 
     # -- input ------------------------------------------------------------------------------------------------
     def _check_views(self, x: torch.Tensor, cameras: Cameras) -> None:
-        if not isinstance(x, torch.Tensor) or x.ndim != 5:
+        """The images (B, V, C, H, W), checked as a whole (messages show the shape given), and their cameras."""
+        if not isinstance(x, torch.Tensor):
+            raise ArgumentTypeError(f"x must be a multi-view batch (B, V, C, H, W), a tensor, got {describe(x)}")
+        if x.ndim != 5:
             raise ValueError(f"x must be a multi-view batch (B, V, C, H, W), got {describe(x)}")
-        self._check_input(x.flatten(0, 1))
+        _check_images(x, *self._input_options(), dtype=self._input_dtype(), layout="B, V, C, H, W")
         if not isinstance(cameras, Cameras):
             raise TypeError(f"cameras must be a visionpe.camera.Cameras, got {describe(cameras)}")
         cameras.check_batch(x.shape[0], x.shape[1], tuple(x.shape[-2:]))
@@ -306,7 +316,8 @@ class MultiViewViT(VisionPEViT):
         normalised tokens, [features]), or the features alone with ``intermediates_only``."""
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        take_indices, max_index = _feature_indices(indices, len(self.blocks))
+        self._check_views(x, cameras)  # before x.shape is read
         batch, views = x.shape[:2]
         h, w = self.patch_embed.dynamic_feat_size(tuple(x.shape[-2:]))
         intermediates, tokens = [], x

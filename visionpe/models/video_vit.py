@@ -13,9 +13,33 @@ from typing import Any
 import torch
 from torch import nn
 
-from .vit import VisionPEViT
+from ..checks import check_int
+from ..contract import EntryPoint, register_entry_point
+from .vit import VisionPEViT, _size_pair
 
-__all__ = ["TubeletEmbed", "VideoPEViT"]
+__all__ = ["VIDEO_ENTRY", "TubeletEmbed", "VideoPEViT"]
+
+#: ``timm.create_model("visionpe_video_vit_*", pos_embed=...)`` (:class:`VideoPEViT`): a 3D (t, y, x) grid, causal
+#: attention (e.g. frames attending to earlier frames)
+VIDEO_ENTRY = register_entry_point(
+    EntryPoint(
+        name='timm.create_model("visionpe_video_vit_*")',
+        argument="pos_embed",
+        kinds=("absolute", "rotary", "bias"),
+        grid_rank=3,
+        causal=True,
+        label="`visionpe_video_vit_*`",
+    )
+)
+
+
+def _check_clip_args(num_frames: Any, tubelet_size: Any) -> None:
+    """ValueError (TypeError for a wrong type) unless ``num_frames`` and ``tubelet_size`` are positive ints and
+    ``num_frames`` is a multiple of ``tubelet_size``."""
+    check_int(num_frames, "num_frames", min=1)
+    check_int(tubelet_size, "tubelet_size", min=1)
+    if num_frames % tubelet_size:
+        raise ValueError(f"num_frames must be divisible by tubelet_size={tubelet_size}, got {num_frames}")
 
 
 class TubeletEmbed(nn.Module):
@@ -33,10 +57,8 @@ class TubeletEmbed(nn.Module):
         **_: Any,  # timm passes options for 2D patch embeds (dynamic_img_pad, output_fmt, strict_img_size)
     ) -> None:
         super().__init__()
-        self.img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
-        self.patch_size = (patch_size, patch_size) if isinstance(patch_size, int) else tuple(patch_size)
-        if num_frames % tubelet_size:
-            raise ValueError(f"num_frames must be divisible by tubelet_size={tubelet_size}, got {num_frames}")
+        _check_clip_args(num_frames, tubelet_size)
+        self.img_size, self.patch_size = _size_pair(img_size, "img_size"), _size_pair(patch_size, "patch_size")
         self.num_frames, self.tubelet_size = num_frames, tubelet_size
         self.dynamic_img_pad = False
         spatial = tuple(s // p for s, p in zip(self.img_size, self.patch_size, strict=True))
@@ -70,7 +92,18 @@ class VideoPEViT(VisionPEViT):
         pos_embed, pos_embed_kwargs, **kwargs: as :class:`VisionPEViT`; schemes must support 3D grids.
     """
 
+    entry_point = VIDEO_ENTRY
+
     def __init__(self, num_frames: int = 16, tubelet_size: int = 2, **kwargs: Any) -> None:
+        _check_clip_args(num_frames, tubelet_size)
+        if kwargs.get("dynamic_img_pad", False) is not False:
+            raise ValueError(
+                "VideoPEViT does not pad frames: clips must be multiples of the tubelet; dynamic_img_pad must be "
+                f"False, got {kwargs['dynamic_img_pad']!r}"
+            )
+        if kwargs.get("img_size", 224) is None:
+            raise ValueError("img_size of a VideoPEViT must be a positive int or (H, W) pair, got None")
+
         def embed_layer(**embed_kwargs):
             return TubeletEmbed(num_frames=num_frames, tubelet_size=tubelet_size, **embed_kwargs)
 
@@ -84,7 +117,7 @@ class VideoPEViT(VisionPEViT):
         ts = self.patch_embed.tubelet_size
         if frames % ts or height % ph or width % pw:
             raise ValueError(
-                f"clip size {frames}x{height}x{width} (T x H x W) must be divisible by the tubelet {ts}x{ph}x{pw}"
+                f"x has clip size {frames}x{height}x{width} (T x H x W), not divisible by the tubelet {ts}x{ph}x{pw}"
             )
 
     def _grid_size(self, x: torch.Tensor) -> tuple[int, ...]:

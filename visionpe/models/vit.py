@@ -8,49 +8,77 @@ the blocks (so that each receives a :class:`~visionpe.attention.PositionContext`
 from __future__ import annotations
 
 import inspect
+import numbers
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
-from timm.layers import PatchDropoutWithIndices, to_2tuple
+from timm.layers import PatchDropoutWithIndices
 from timm.models._features import feature_take_indices
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..attention import PosBlock, PositionContext
-from ..base import AbsolutePositionEncoding
-from ..grid import CoordAugment, MixedGrid, set_coord_augment
+from ..base import AbsolutePositionEncoding, set_coord_augment
+from ..checks import ArgumentTypeError, check_bool, check_choice, check_float, check_int, describe
+from ..contract import EntryPoint, check_built_scheme, check_causal, check_schemes, register_entry_point
+from ..grid import CoordAugment, MixedGrid
 from ..registry import create_pos_embed, get_scheme_class
+from .context import build_position_context
 from .naflex import apply_per_grid, build_mixed_position_context, embed_patches, naflex_inputs, pool_valid
 
 __all__ = [
+    "VIT_ENTRY",
     "VisionPEViT",
     "build_position_context",
     "create_model_scheme",
     "normalize_schemes",
     "schemes_no_weight_decay",
     "check_img_size",
+    "check_vit_args",
 ]
 
 
+#: ``timm.create_model("visionpe_vit_*", pos_embed=...)`` (:class:`VisionPEViT`): one image grid, depth maps for the
+#: schemes that read them, causal attention and mixed-resolution batches
+VIT_ENTRY = register_entry_point(
+    EntryPoint(
+        name='timm.create_model("visionpe_vit_*")',
+        argument="pos_embed",
+        kinds=("absolute", "rotary", "bias"),
+        provides=frozenset({"patch_depth"}),
+        causal=True,
+        mixed_resolution=True,
+        label="`visionpe_vit_*`",
+    )
+)
+
+
 def normalize_schemes(
-    pos_embed: str | Sequence[str], pos_embed_kwargs: dict[str, Any] | None
+    pos_embed: str | Sequence[str], pos_embed_kwargs: dict[str, Any] | None, entry: EntryPoint | None = None
 ) -> dict[str, dict[str, Any]]:
     """``pos_embed`` and ``pos_embed_kwargs`` as {scheme name: its options}, validated.
 
-    ``pos_embed_kwargs`` is either keyed by scheme name or, for a single scheme, the options themselves.
+    ``pos_embed_kwargs`` is either keyed by scheme name or, for a single scheme, the options themselves. With
+    ``entry``, every scheme is checked against what that entry point provides (:func:`~visionpe.contract.check_schemes`)
+    and messages name the entry point's argument (``camera_embed`` for the cameras of a multi-view model); without
+    it, names only have to be registered.
     """
+    arg = entry.argument if entry is not None else "pos_embed"
     names = [pos_embed] if isinstance(pos_embed, str) else list(pos_embed) if isinstance(pos_embed, Sequence) else None
     if not names or not all(isinstance(n, str) for n in names):
-        raise TypeError(f"pos_embed must be a scheme name or a non-empty list of names, got {pos_embed!r}")
+        raise TypeError(f"{arg} must be a scheme name or a non-empty list of names, got {pos_embed!r}")
     if len(set(names)) != len(names):
-        raise ValueError(f"pos_embed lists a scheme twice: {names}")
+        raise ValueError(f"{arg} lists a scheme twice: {names}")
+    if entry is not None:
+        check_schemes(entry, names)
     for name in names:
         get_scheme_class(name)  # raises on unknown names, listing the valid ones
     if not isinstance(pos_embed_kwargs or {}, dict):
-        raise TypeError(f"pos_embed_kwargs must be a dict, got {type(pos_embed_kwargs).__name__}")
+        raise TypeError(f"{arg}_kwargs must be a dict, got {type(pos_embed_kwargs).__name__}")
     kwargs = dict(pos_embed_kwargs or {})
     if not kwargs or all(k in names for k in kwargs):
         per_scheme = kwargs
@@ -58,25 +86,35 @@ def normalize_schemes(
         per_scheme = {names[0]: kwargs}
     else:
         raise ValueError(
-            f"with several schemes {names}, pos_embed_kwargs must be keyed by scheme name, got keys {list(kwargs)}"
+            f"with several schemes {names}, {arg}_kwargs must be keyed by scheme name, got keys {list(kwargs)}"
         )
     for name, opts in per_scheme.items():
         if not isinstance(opts, dict):
-            raise TypeError(f"pos_embed_kwargs[{name!r}] must be a dict, got {type(opts).__name__}")
+            raise TypeError(f"{arg}_kwargs[{name!r}] must be a dict, got {type(opts).__name__}")
     return {name: dict(per_scheme.get(name, {})) for name in names}
 
 
+def _size_pair(value: Any, name: str) -> tuple[int, int]:
+    """``value`` (an int, or an (H, W) pair of ints of any integer type) as a pair of positive Python ints."""
+    expected = "a positive int or (H, W) pair of positive ints"
+    pair = (value, value) if not isinstance(value, (tuple, list)) else tuple(value)
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in pair):
+        raise ArgumentTypeError(f"{name} must be {expected}, got {describe(value)}")
+    if len(pair) != 2 or min(pair) <= 0:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return int(pair[0]), int(pair[1])
+
+
 def check_img_size(img_size: Any, patch_size: Any, dynamic_img_pad: bool = False) -> None:
-    """ValueError unless ``img_size`` is positive ints divisible by ``patch_size`` (or ``dynamic_img_pad`` pads).
+    """ValueError unless ``img_size`` is positive ints divisible by ``patch_size`` (or ``dynamic_img_pad`` pads);
+    TypeError (also a ValueError, :class:`~visionpe.checks.ArgumentTypeError`) when either is not an int or a pair.
 
     Without padding, a size that is not a multiple of the patch would silently drop the last pixel rows or columns.
     """
+    patches = _size_pair(patch_size, "patch_size")
     if img_size is None:  # timm allows it for fully dynamic models
         return
-    sizes, patches = to_2tuple(img_size), to_2tuple(patch_size)
-    for name, values in (("img_size", sizes), ("patch_size", patches)):
-        if len(values) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 for v in values):
-            raise ValueError(f"{name} must be a positive int or (H, W) pair of positive ints, got {values!r}")
+    sizes = _size_pair(img_size, "img_size")
     if not dynamic_img_pad and (sizes[0] % patches[0] or sizes[1] % patches[1]):
         raise ValueError(
             f"img_size {tuple(sizes)} is not divisible by the patch size {tuple(patches)}: the last pixel rows or "
@@ -85,17 +123,120 @@ def check_img_size(img_size: Any, patch_size: Any, dynamic_img_pad: bool = False
         )
 
 
-def _check_batch(x: torch.Tensor, layout: str, channels: int) -> None:
-    """Rank, dtype, batch size and channels of an input batch laid out as ``layout`` (e.g. "B, C, H, W")."""
-    if not isinstance(x, torch.Tensor) or x.ndim != len(layout.split(", ")):
-        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"x must be a batch ({layout}), got {shape}")
+def _timm_vit_defaults() -> tuple[dict[str, Any], dict[str, tuple[Any, ...]]]:
+    """The defaults of timm's ``VisionTransformer`` arguments, and the choices of those annotated as a Literal."""
+    params = inspect.signature(VisionTransformer.__init__).parameters
+    defaults = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
+    hints = typing.get_type_hints(VisionTransformer.__init__)
+    choices = {k: typing.get_args(t) for k, t in hints.items() if typing.get_origin(t) is typing.Literal}
+    return defaults, choices
+
+
+_VIT_DEFAULTS, _VIT_CHOICES = _timm_vit_defaults()
+_VIT_POSITIVE_INTS = ("embed_dim", "depth", "num_heads", "in_chans")
+_VIT_BOOLS = ("class_token", "no_embed_class", "dynamic_img_size", "dynamic_img_pad")
+_VIT_DROP_RATES = ("drop_rate", "pos_drop_rate", "proj_drop_rate", "attn_drop_rate", "drop_path_rate")
+
+
+def check_vit_args(kwargs: Mapping[str, Any]) -> None:
+    """Check the timm ``VisionTransformer`` arguments among ``kwargs`` (the others take timm's defaults) before timm's
+    constructor runs, where a bad one surfaces as an IndexError (``depth=0``), a ZeroDivisionError
+    (``patch_size=0``), a bare AssertionError (``embed_dim`` not divisible by ``num_heads``) or a model that cannot
+    run (``in_chans=0``). Raises ValueError, or TypeError for a wrong type (:class:`~visionpe.checks.ArgumentTypeError`,
+    also a ValueError), naming the argument.
+
+    Example:
+        >>> check_vit_args({"embed_dim": 100, "num_heads": 3})
+        Traceback (most recent call last):
+        ...
+        ValueError: embed_dim must be divisible by num_heads, got embed_dim=100 and num_heads=3
+    """
+    args = {**_VIT_DEFAULTS, **kwargs}
+    for name in _VIT_POSITIVE_INTS:
+        check_int(args[name], name, min=1)
+    if args["embed_dim"] % args["num_heads"]:
+        raise ValueError(
+            f"embed_dim must be divisible by num_heads, got embed_dim={args['embed_dim']} and "
+            f"num_heads={args['num_heads']}"
+        )
+    check_int(args["num_classes"], "num_classes", min=0, expected="a non-negative int (0: no head)")
+    check_int(args["reg_tokens"], "reg_tokens", min=0)
+    check_float(args["mlp_ratio"], "mlp_ratio", min=0, min_open=True)
+    for name in _VIT_BOOLS:
+        check_bool(args[name], name)
+    for name in _VIT_DROP_RATES:
+        check_float(args[name], name, min=0, max=1)
+    check_float(args["patch_drop_rate"], "patch_drop_rate", min=0, max=1, max_open=True)
+    if args["init_values"] is not None:
+        check_float(args["init_values"], "init_values", expected="None or a finite number")
+    for name, choices in _VIT_CHOICES.items():
+        check_choice(args[name], name, choices)
+    if args["global_pool"] == "token" and not args["class_token"]:
+        raise ValueError(
+            "class_token must be True for global_pool='token' (it pools the class token; or choose another "
+            "global_pool, e.g. 'avg'), got class_token=False"
+        )
+    check_img_size(args["img_size"], args["patch_size"], args["dynamic_img_pad"])
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is on for ``device_type`` (False for device types autocast does not know)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # e.g. "meta"
+        return False
+
+
+def _check_batch(x: torch.Tensor, layout: str, channels: int, dtype: torch.dtype | None = None) -> None:
+    """Type, rank, dtype, batch size and channels of an input batch laid out as ``layout`` (e.g. "B, C, H, W").
+
+    ``dtype``: the model's (its patch embedding's weights); another floating dtype is refused, except under
+    ``torch.autocast``, whose layers cast the input themselves (:func:`_check_dtype`)."""
+    dims = layout.split(", ")
+    if not isinstance(x, torch.Tensor):
+        raise ArgumentTypeError(f"x must be a batch ({layout}) as a torch.Tensor, got {describe(x)}")
+    if x.ndim != len(dims):
+        raise ValueError(f"x must be a batch ({layout}), got {tuple(x.shape)}")
     if not x.is_floating_point():
         raise TypeError(f"x must be a floating-point batch ({layout}), got dtype {x.dtype}")
-    if x.shape[0] == 0 or x.shape[1] != channels or min(x.shape[2:]) == 0:
+    c = dims.index("C")
+    if x.shape[0] == 0 or x.shape[c] != channels or min(x.shape[1:]) == 0:
+        hint = ""
+        if x.shape[-1] == channels and x.shape[c] != channels:  # channels last: C moved behind the spatial sizes
+            order = (*range(c), x.ndim - 1, *range(c, x.ndim - 1))
+            hint = f" (channels last? x.permute{order} gives ({layout}))"
         raise ValueError(
-            f"x must be a non-empty batch ({layout}) with B >= 1, C = {channels} and sizes >= 1, got {tuple(x.shape)}"
+            f"x must be a non-empty batch ({layout}) with B >= 1, C = {channels} and sizes >= 1, got "
+            f"{tuple(x.shape)}{hint}"
         )
+    if dtype is not None:
+        _check_dtype(x, "x", dtype)
+
+
+def _check_dtype(x: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+    """ValueError unless the floating-point input ``x`` has the model's ``dtype``, or runs under ``torch.autocast``
+    in a dtype autocast casts (float32, float16, bfloat16; it leaves float64 as it is); without the check torch stops
+    at the first layer ("Input type (double) and bias type (float) should be the same")."""
+    if x.dtype != dtype and (x.dtype == torch.float64 or not _autocast_enabled(x.device.type)):
+        raise ValueError(
+            f"{name} must have the model's dtype {dtype} (or, under torch.autocast, float32, float16 or bfloat16), "
+            f"got dtype {x.dtype}; convert it with {name}.to({dtype})"
+        )
+
+
+def _feature_indices(indices: Any, num_blocks: int) -> tuple[list[int], int]:
+    """timm's ``feature_take_indices`` (the blocks whose outputs ``forward_intermediates`` returns, and the last one
+    to run) after checking ``indices``: None (every block), n (the last n blocks) or a non-empty list of block
+    indices (negative from the end); timm would stop at a bare AssertionError."""
+    if isinstance(indices, (list, tuple)):
+        if not indices:
+            raise ValueError(f"indices must name at least one block (of {num_blocks}), got {indices!r}")
+        for i, index in enumerate(indices):
+            check_int(index, f"indices[{i}]", min=-num_blocks, max=num_blocks - 1)
+    elif indices is not None:
+        phrase = f"None, a number of last blocks in [1, {num_blocks}] or a list of block indices"
+        check_int(indices, "indices", min=1, max=num_blocks, expected=phrase)
+    return feature_take_indices(num_blocks, indices)
 
 
 def _check_images(
@@ -105,21 +246,24 @@ def _check_images(
     patch_size: tuple[int, int],
     dynamic_img_size: bool,
     dynamic_img_pad: bool,
+    dtype: torch.dtype | None = None,
+    layout: str = "B, C, H, W",
 ) -> None:
-    """A (B, C, H, W) batch the model takes: ``img_size`` unless ``dynamic_img_size``, else any size divisible by
-    the patch (any size with ``dynamic_img_pad``)."""
-    _check_batch(x, "B, C, H, W", channels)
+    """A (B, C, H, W) batch the model takes (``layout`` for other layouts ending in C, H, W, e.g. views): ``img_size``
+    unless ``dynamic_img_size``, else any size divisible by the patch (any size with ``dynamic_img_pad``); ``dtype``
+    as :func:`_check_batch`."""
+    _check_batch(x, layout, channels, dtype)
     height, width = x.shape[-2:]
     ph, pw = patch_size
     if dynamic_img_size:
         if not dynamic_img_pad and (height % ph or width % pw):
             raise ValueError(
-                f"image size {height}x{width} is not divisible by the patch size {ph}x{pw}; "
+                f"x has image size {height}x{width}, not divisible by the patch size {ph}x{pw}; "
                 "resize it or create the model with dynamic_img_pad=True"
             )
     elif (height, width) != img_size:
         raise ValueError(
-            f"image size {height}x{width} does not match the model's img_size "
+            f"x has image size {height}x{width}, which does not match the model's img_size "
             f"{img_size}; create it with dynamic_img_size=True or call set_input_size()"
         )
 
@@ -148,27 +292,6 @@ def _traced_input(
         )
     _check_images(x, channels, img_size, patch_size, dynamic_img_size, dynamic_img_pad)
     return x
-
-
-def build_position_context(
-    schemes: Iterable[nn.Module],
-    num_prefix_tokens: int,
-    grid_size: tuple[int, ...],
-    device: torch.device,
-    patch_depth: torch.Tensor | None = None,
-) -> PositionContext:
-    """The :class:`~visionpe.attention.PositionContext` of ``schemes`` (a model's position schemes, in order) for
-    ``grid_size``: each rotary scheme's state, then each bias scheme's (scheme, state); absolute schemes have none.
-    ``patch_depth`` (B, N) goes to the schemes that list it among their ``extra_inputs``."""
-    ctx = PositionContext()
-    schemes = list(schemes)
-    for scheme in (m for m in schemes if m.kind == "rotary"):
-        inputs = {"patch_depth": patch_depth} if "patch_depth" in scheme.extra_inputs else {}
-        coords = scheme.model_coords(grid_size, device, **inputs)
-        ctx.rotary.append(scheme.prepare(coords, num_prefix_tokens, grid_size=grid_size))
-    for scheme in (m for m in schemes if m.kind == "bias"):
-        ctx.bias.append((scheme, scheme.prepare(scheme.check_grid(grid_size), num_prefix_tokens, device)))
-    return ctx
 
 
 @torch.fx.wrap
@@ -248,7 +371,7 @@ class VisionPEViT(VisionTransformer):
         pos_embed: scheme name or list of names (``["learned", "rope_mixed"]`` is rope-vit's Mixed + APE).
         pos_embed_kwargs: options per scheme, ``{"rope_axial": {"base": 100}}`` (or flat for one scheme).
         coord_augment: a training-time coordinate augmentation (:class:`~visionpe.grid.CoordAugment`, or a dict of
-            its fields) for every scheme that reads coordinates (:func:`~visionpe.grid.set_coord_augment`); None
+            its fields) for every scheme that reads coordinates (:func:`~visionpe.base.set_coord_augment`); None
             (default) keeps each scheme's own (none, except ``rope_dinov3``'s rescale).
         **kwargs: timm ``VisionTransformer`` arguments (``img_size``, ``dynamic_img_size``, ``class_token``...).
             ``no_embed_class`` (DeiT III, register ViTs) goes to the ``learned`` table, as in timm.
@@ -263,6 +386,8 @@ class VisionPEViT(VisionTransformer):
 
     #: the layout of each flattened patch of a NaFlex batch: (P, P, C) (timm's default) or, False, (C, P, P)
     naflex_channels_last: bool = True
+    #: what this model provides its schemes (:mod:`visionpe.contract`): the schemes it accepts are checked against it
+    entry_point: ClassVar[EntryPoint] = VIT_ENTRY
 
     def __init__(
         self,
@@ -271,7 +396,8 @@ class VisionPEViT(VisionTransformer):
         coord_augment: CoordAugment | dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        schemes = normalize_schemes(pos_embed, pos_embed_kwargs)
+        check_vit_args(kwargs)
+        schemes = normalize_schemes(pos_embed, pos_embed_kwargs, self.entry_point)
         coord_augment = CoordAugment.from_value(coord_augment)
         patch_drop = kwargs.get("patch_drop_rate", 0.0) > 0
         for key in ("block_fn", "attn_layer"):
@@ -289,6 +415,7 @@ class VisionPEViT(VisionTransformer):
         self.pos_schemes = nn.ModuleDict()
         for name, opts in schemes.items():
             self.pos_schemes[name] = create_model_scheme(self, name, opts)
+            check_built_scheme(self.entry_point, name, self.pos_schemes[name])
             after = self.pos_schemes[name].insert_after
             if patch_drop and after:
                 # applied between blocks, to the token grid that patch dropout has already thinned (CPE's conv)
@@ -355,7 +482,11 @@ class VisionPEViT(VisionTransformer):
 
     def _check_batch(self, x: torch.Tensor, layout: str) -> None:
         """Rank, dtype, batch size and channels of an input batch laid out as ``layout`` (e.g. "B, C, H, W")."""
-        _check_batch(x, layout, self.patch_embed.proj.in_channels)
+        _check_batch(x, layout, self.patch_embed.proj.in_channels, self._input_dtype())
+
+    def _input_dtype(self) -> torch.dtype:
+        """The dtype the model takes its input in outside ``torch.autocast``: its patch embedding's."""
+        return self.patch_embed.proj.weight.dtype
 
     def _input_options(self) -> tuple[int, tuple[int, int] | None, tuple[int, int], bool, bool]:
         """(channels, img_size, patch_size, dynamic_img_size, dynamic_img_pad): what :func:`_check_images` reads."""
@@ -364,7 +495,7 @@ class VisionPEViT(VisionTransformer):
         return embed.proj.in_channels, img_size, tuple(embed.patch_size), self.dynamic_img_size, embed.dynamic_img_pad
 
     def _check_input(self, x: torch.Tensor) -> None:
-        _check_images(x, *self._input_options())
+        _check_images(x, *self._input_options(), dtype=self._input_dtype())
 
     def _grid_size(self, x: torch.Tensor) -> tuple[int, ...]:
         """Grid of the patch embedding's output (NHWC when ``dynamic_img_size``, else NLC on the nominal grid)."""
@@ -442,6 +573,8 @@ class VisionPEViT(VisionTransformer):
             attn_mask, is_causal, depth = None, False, None
         else:
             self._check_input(x)
+            if is_causal:
+                check_causal(self.entry_point, self.pos_schemes)
         images = x
         x, grid_size = self._pos_embed_grid(self.patch_embed(x))
         patch_depth = self._patch_depth(depth, images, grid_size)
@@ -532,12 +665,19 @@ class VisionPEViT(VisionTransformer):
             return None
         if not isinstance(x, Mapping) and patch_coord is None and patch_valid is None:
             return None
+        if not self.entry_point.mixed_resolution:
+            raise ValueError(
+                f"{type(self).__name__} takes no mixed-resolution batch (a NaFlex dict, or patches with patch_coord "
+                "and patch_valid); visionpe_vit_* and apply_position_scheme on a NaFlexVit do"
+            )
         if is_causal or depth is not None:
             raise ValueError(
                 "a mixed-resolution batch takes neither is_causal nor depth, got "
                 f"is_causal={is_causal}, depth={'a tensor' if depth is not None else None}"
             )
-        return naflex_inputs(x, patch_coord, patch_valid, attn_mask)
+        patches, layout = naflex_inputs(x, patch_coord, patch_valid, attn_mask)
+        _check_dtype(patches, "patches", self._input_dtype())
+        return patches, layout
 
     def forward_features(
         self,
@@ -622,10 +762,12 @@ class VisionPEViT(VisionTransformer):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
         if isinstance(x, Mapping):
             raise TypeError(
-                "forward_intermediates takes (B, C, H, W) images (features on one grid); a mixed-resolution batch "
-                f"(a NaFlex dict, keys {sorted(x)}) goes through forward or forward_features"
+                "x of forward_intermediates must be (B, C, H, W) images (features on one grid), got a mixed-resolution "
+                f"batch (a NaFlex dict, keys {sorted(x)}), which goes through forward or forward_features"
             )
-        take_indices, max_index = feature_take_indices(len(self.blocks), indices)
+        take_indices, max_index = _feature_indices(indices, len(self.blocks))
+        if not isinstance(x, torch.fx.Proxy):
+            self._check_input(x)  # before x.shape is read
         batch, _, height, width = x.shape
         feat_h, feat_w = self.patch_embed.dynamic_feat_size((height, width))
         intermediates, prefixes = [], []
