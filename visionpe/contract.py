@@ -166,6 +166,7 @@ def check_schemes(entry: EntryPoint, names: Iterable[str]) -> None:
         visionpe.contract.UnsupportedSchemeError: timm.create_model("visionpe_vit_*") cannot use pos_embed='gta': ...
     """
     check_instance(entry, "entry", EntryPoint, expected="a visionpe.contract.EntryPoint")
+    names = list(names)
     for name in names:
         check_instance(name, f"{entry.argument} name", str, expected="a scheme name (str)")
         if name not in registered_schemes():
@@ -173,6 +174,12 @@ def check_schemes(entry: EntryPoint, names: Iterable[str]) -> None:
         reason = refusal(entry, name)
         if reason is not None:
             raise UnsupportedSchemeError(f"{entry.name} cannot use {entry.argument}={name!r}: {reason}; {_where(name)}")
+    widening = [n for n in names if get_scheme_class(n).kind == "bias" and get_scheme_class(n).augments_qk]
+    if len(widening) > 1:  # each appends its channels to q and k sized for the original heads
+        raise UnsupportedSchemeError(
+            f"{entry.name} cannot use {entry.argument}={names}: {widening} each write their bias into channels "
+            "appended to q and k, and only one such scheme fits a model; keep one of them"
+        )
 
 
 def _unknown(entry: EntryPoint, name: str) -> str:

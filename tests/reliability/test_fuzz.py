@@ -38,9 +38,6 @@ import visionpe
 from visionpe.camera import Cameras, look_at
 from visionpe.integrations.timm import apply_position_scheme
 from visionpe.registry import get_scheme_class
-from visionpe.rotary.base import LinearRotary
-from visionpe.rotary.lie_base import LieBlockRotary
-from visionpe.rotary.scaling import Extrapolation
 
 EXAMPLES = int(os.environ.get("VISIONPE_FUZZ_EXAMPLES", "25"))
 FUZZ = settings(
@@ -150,12 +147,9 @@ def _widens_qk(name: str) -> bool:
 
 
 def scheme_names(names: list[str]):
-    """One scheme, two (possibly the same one twice), or something that is not a scheme name. Two schemes that both
-    append channels to q and k are a known gap (test_two_schemes_that_widen_qk_are_refused) and not drawn."""
+    """One scheme, two (possibly the same one twice), or something that is not a scheme name."""
     one = st.sampled_from(names)
-    two = st.lists(one, min_size=2, max_size=2).filter(
-        lambda pair: not all(map(_widens_qk, pair)) or pair[0] == pair[1]
-    )
+    two = st.lists(one, min_size=2, max_size=2)
     not_names = st.sampled_from([5, None, "", [], "no_such_scheme", ("none", 3)])
     return often(one, st.one_of(two, not_names))
 
@@ -180,36 +174,11 @@ def buildable_names(model_name: str):
     return often(st.deferred(lambda: st.sampled_from(_buildable(model_name))), scheme_names(SCHEMES + CAMERA_SCHEMES))
 
 
-# Scheme options whose check is missing or names another argument, each with a value that shows it (found by this
-# fuzzer; the fixes belong in the schemes' constructors). The draws leave them out and test_known_option_gaps pins
-# each as a strict xfail, so that a fix shows up in CI and the gap comes off here.
-_OPTION_GAPS = {
-    ("string_cayley", "learn_frequencies"): 1,  # torch's TypeError from nn.Parameter(requires_grad=1)
-    ("seqpe", "embed_dim"): 0,  # "dim must be a positive int"
-    ("seqpe", "encoder_depth"): 0,  # "depth must be a positive int"
-    ("seqpe", "encoder_heads"): 0,  # "num_heads must be a positive int"
-    ("learned", "num_prefix_tokens"): 0,  # builds, then refuses every batch of a model with a class token
-    ("irpe", "num_prefix_tokens"): 0,  # the same
-}
-
-
-def option_gap(name: str, option: str):
-    """The value that shows the known gap of option ``option`` of scheme ``name``, or None."""
-    cls = get_scheme_class(name)
-    if option == "grid_size" and issubclass(cls, (LinearRotary, LieBlockRotary)):
-        return 1  # len(grid_size) before grid_size is checked: "object of type 'int' has no len()"
-    if option in ("yarn_alpha", "yarn_beta") and issubclass(cls, Extrapolation):
-        return "x"  # "yarn alpha must be a number": the option is yarn_alpha
-    return _OPTION_GAPS.get((name, option))
-
-
-def _options_of(name: str, gaps: bool = False) -> list[str]:
-    """The options of scheme ``name`` (its constructor's keywords but the model's dim, num_heads and depth), those
-    with a known gap only with ``gaps``."""
+def _options_of(name: str) -> list[str]:
+    """The options of scheme ``name``: its constructor's keywords but the model's dim, num_heads and depth."""
     params = inspect.signature(get_scheme_class(name).__init__).parameters.values()
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    options = [p.name for p in params if p.kind in keyword and p.name not in ("self", "dim", "num_heads", "depth")]
-    return [o for o in options if gaps or option_gap(name, o) is None]
+    return [p.name for p in params if p.kind in keyword and p.name not in ("self", "dim", "num_heads", "depth")]
 
 
 @st.composite
@@ -583,21 +552,9 @@ def test_open_clip_tower(vision, autocast, data):
         assert_finite(out, finite)
 
 
-# -- known gaps (strict xfails: a fix makes them pass, and then fail until the marker comes off) -----------------------
+# -- what the fuzzer found: regressions, and the gaps left (strict xfails: a fix shows, then the marker comes off) --
 
 
-@pytest.mark.xfail(strict=True, reason="scheme option not checked, or checked under another name (option_gap)")
-@pytest.mark.parametrize(
-    "name, option", [(n, o) for n in SCHEMES for o in _options_of(n, gaps=True) if option_gap(n, o) is not None]
-)
-def test_known_option_gaps(name, option):
-    kwargs = dict(img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2, num_classes=3)
-    kwargs.update(pos_embed=name, pos_embed_kwargs={option: option_gap(name, option)})
-    model = outcome(lambda: timm.create_model("visionpe_vit_tiny_patch16_224", **kwargs), {option})
-    assert model is REFUSED
-
-
-@pytest.mark.xfail(strict=True, reason="the message says 'takes no mixed-resolution batch' without naming x")
 @pytest.mark.parametrize("model_name", ["visionpe_video_vit_tiny_tubelet2x16", "open_clip_tower"])
 def test_naflex_dict_refusal_names_x(model_name):
     """Models without mixed-resolution batches refuse a NaFlex dict (the video and open_clip fuzz tests draw none)."""
@@ -611,7 +568,6 @@ def test_naflex_dict_refusal_names_x(model_name):
     assert outcome(lambda: model({"patches": torch.randn(1, 4, 768)}), {"x"}) is REFUSED
 
 
-@pytest.mark.xfail(strict=True, reason="Classifier leaves the model name to timm: RuntimeError 'Unknown model'")
 def test_classifier_refuses_an_unknown_model_name():
     from visionpe.training import Classifier
 
@@ -635,11 +591,10 @@ def test_video_rotary_with_too_few_pairs_names_head_dim(name):
     assert outcome(call, {"head_dim", "embed_dim", "num_heads", name}) is REFUSED
 
 
-@pytest.mark.xfail(strict=True, reason="each scheme appends its channels to q and k: the second finds q widened")
 @pytest.mark.parametrize("names", list(itertools.combinations([n for n in SCHEMES if _widens_qk(n)], 2)), ids=str)
 def test_two_schemes_that_widen_qk_are_refused(names):
-    """The model builds, then refuses every batch ("q must have shape (B, 2, 5, 16) for this grid, got (1, 2, 5,
-    24)"): the combination should be refused when the model is built, naming pos_embed."""
+    """Refused when the model is built, naming pos_embed (it used to build, then refuse every batch: "q must have
+    shape (B, 2, 5, 16) for this grid, got (1, 2, 5, 24)")."""
     kwargs = dict(pos_embed=list(names), img_size=16, patch_size=8, embed_dim=32, depth=1, num_heads=2)
     model = outcome(lambda: timm.create_model("visionpe_vit_tiny_patch16_224", **kwargs), {"pos_embed"})
     assert model is REFUSED

@@ -360,7 +360,7 @@ def test_bias_layer_and_piecewise_index():
         _case(
             lambda: visionpe.set_extrapolation(tiny_vit("rope_axial"), "yarn", alpha="1"),
             TypeError,
-            r"yarn alpha must be a number, got str",
+            r"alpha must be a number \(YaRN's ramp bound\), got str",
             "yarn_alpha",
         ),
         _case(

@@ -358,6 +358,12 @@ def create_model_scheme(model: nn.Module, name: str, options: dict[str, Any]) ->
         "ndim": len(grid_size),
         "no_embed_class": no_embed_class,
     }
+    given = options.get("num_prefix_tokens", model.num_prefix_tokens)
+    if given != model.num_prefix_tokens:  # the scheme would refuse every batch of this model
+        raise ValueError(
+            f"pos_embed_kwargs[{name!r}]['num_prefix_tokens'] must be the model's prefix-token count "
+            f"{model.num_prefix_tokens} (class token and registers), got {given!r}"
+        )
     params = inspect.signature(get_scheme_class(name).__init__).parameters
     extra = {k: v for k, v in context.items() if k in params and k not in options}
     depth, num_heads = len(model.blocks), model.blocks[0].attn.num_heads
@@ -667,8 +673,8 @@ class VisionPEViT(VisionTransformer):
             return None
         if not self.entry_point.mixed_resolution:
             raise ValueError(
-                f"{type(self).__name__} takes no mixed-resolution batch (a NaFlex dict, or patches with patch_coord "
-                "and patch_valid); visionpe_vit_* and apply_position_scheme on a NaFlexVit do"
+                f"x is a mixed-resolution batch (a NaFlex dict, or patches with patch_coord and patch_valid), which "
+                f"{type(self).__name__} does not take; visionpe_vit_* and apply_position_scheme on a NaFlexVit do"
             )
         if is_causal or depth is not None:
             raise ValueError(

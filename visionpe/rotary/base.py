@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from ..base import RotaryPositionEncoding, check_layer, check_model_shape
-from ..checks import check_bool
-from ..grid import COORD_MODES
+from ..checks import check_bool, is_int
+from ..grid import COORD_MODES, validate_grid_size
 from ..interfaces.rotary import IdentityRotation, LayerRotation, RotaryState
 from .functional import apply_rotary, rotary_angles, rotary_tables, rotate_qkv_pairs_
 from .scaling import Extrapolation
@@ -224,8 +224,10 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
             )
         self.dim, self.num_heads, self.depth, self.ndim = dim, num_heads, depth, ndim
         self.head_dim, self.coord_mode = head_dim, coord_mode
-        if grid_size is not None and len(grid_size) != ndim:
-            raise ValueError(f"grid_size must have ndim={ndim} entries, got {tuple(grid_size)}")
+        if is_int(grid_size):  # the same size on every axis, as timm takes img_size=224
+            grid_size = (grid_size,) * ndim
+        if grid_size is not None:
+            grid_size = validate_grid_size(grid_size, "grid_size", ndims=(ndim,))
         self.init_extrapolation(extrapolation, grid_size, yarn_alpha, yarn_beta)
 
     @property

@@ -33,6 +33,7 @@ import torch
 
 from ..base import RotaryPositionEncoding, check_layer, check_model_shape
 from ..checks import check_bool, is_int
+from ..grid import validate_grid_size
 from ..interfaces.rotary import IdentityRotation, LayerRotation, RotaryState
 from ..tokens import gather_tokens, scatter_tokens
 from .block_rotation import TokenRotations, apply_block_rotation
@@ -174,8 +175,10 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
             raise ValueError(f"block_size must be >= 2 and divide head_dim={head_dim}, got block_size={block_size}")
         if ndim not in (2, 3):
             raise ValueError(f"ndim must be 2 or 3, got {ndim!r}")
-        if grid_size is not None and len(grid_size) != ndim:
-            raise ValueError(f"grid_size must have ndim={ndim} entries, got {tuple(grid_size)}")
+        if is_int(grid_size):  # the same size on every axis, as timm takes img_size=224
+            grid_size = (grid_size,) * ndim
+        if grid_size is not None:
+            grid_size = validate_grid_size(grid_size, "grid_size", ndims=(ndim,))
         self.dim, self.num_heads, self.depth, self.ndim = dim, num_heads, depth, ndim
         self.head_dim, self.block_size, self.num_blocks = head_dim, block_size, head_dim // block_size
         self.init_extrapolation(extrapolation, grid_size)

@@ -66,7 +66,7 @@ class LieRE(LieBlockRotary):
     ) -> None:
         super().__init__(dim, num_heads, depth, block_size, ndim, grid_size, extrapolation, rotate_values)
         if init_scale is None:
-            side = max(grid_size) if grid_size is not None else 14
+            side = max(self.train_grid_size) if self.train_grid_size is not None else 14
             init_scale = 2 * math.pi / max(side - 1, 1)
         if not (isinstance(init_scale, (int, float)) and math.isfinite(init_scale) and init_scale >= 0):
             raise ValueError(f"init_scale must be a finite non-negative number, got {init_scale!r}")

@@ -352,7 +352,7 @@ class Extrapolation(nn.Module):
         # not saved with the weights: it is an evaluation-time setting, like the mode
         self.register_buffer("band_multiplier", None, persistent=False)
         # the ramp bounds are options of the scheme whatever its mode (YaRN reads them once switched to it)
-        self.yarn_alpha, self.yarn_beta = self._yarn_ramp(yarn_alpha, yarn_beta)
+        self.yarn_alpha, self.yarn_beta = self._yarn_ramp(yarn_alpha, yarn_beta, ("yarn_alpha", "yarn_beta"))
         self.set_extrapolation(extrapolation)
 
     def set_extrapolation(
@@ -392,12 +392,14 @@ class Extrapolation(nn.Module):
         self.extrapolation, self.yarn_alpha, self.yarn_beta = mode, alpha, beta
         self.riflex_k = ks
 
-    def _yarn_ramp(self, alpha: float | None, beta: float | None) -> tuple[float, float]:
-        """YaRN's ramp bounds (alpha, beta): the current ones where None; TypeError for a non-number, ValueError
-        unless both are finite and beta > alpha."""
-        for arg, value in (("alpha", alpha), ("beta", beta)):
+    def _yarn_ramp(
+        self, alpha: float | None, beta: float | None, names: tuple[str, str] = ("alpha", "beta")
+    ) -> tuple[float, float]:
+        """YaRN's ramp bounds (alpha, beta): the current ones where None; TypeError (naming the argument, ``names``)
+        for a non-number, ValueError unless both are finite and beta > alpha."""
+        for arg, value in zip(names, (alpha, beta), strict=True):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                raise TypeError(f"yarn {arg} must be a number, got {type(value).__name__} ({value!r})")
+                raise TypeError(f"{arg} must be a number (YaRN's ramp bound), got {type(value).__name__} ({value!r})")
         alpha = self.yarn_alpha if alpha is None else float(alpha)
         beta = self.yarn_beta if beta is None else float(beta)
         if not (math.isfinite(alpha) and math.isfinite(beta) and beta > alpha):

@@ -294,7 +294,17 @@ class SeqPE(RotaryPositionEncoding):
     ) -> None:
         super().__init__()
         self.head_dim = check_model_shape(dim, num_heads, depth)
-        check_model_shape(embed_dim, encoder_heads, encoder_depth)
+        for arg, value in (
+            ("embed_dim", embed_dim),
+            ("encoder_heads", encoder_heads),
+            ("encoder_depth", encoder_depth),
+        ):
+            check_int(value, arg, min=1)
+        if embed_dim % encoder_heads:
+            raise ValueError(
+                f"embed_dim must be divisible by encoder_heads, got embed_dim={embed_dim}, "
+                f"encoder_heads={encoder_heads}"
+            )
         self.dim, self.num_heads, self.depth = dim, num_heads, depth
         self.max_digits = max_digits_for(pe_max_position)
         self.pe_max_position = pe_max_position

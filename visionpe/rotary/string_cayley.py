@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..checks import check_bool
 from ..registry import register_scheme
 from .expm import skew_from_params
 from .frequencies import axial_frequencies, check_base, default_axis_pairs
@@ -91,6 +92,7 @@ class StringCayley(StringBase):
         )
         ndim = self.ndim  # 3 with depth_coords: (z, y, x)
         check_base(base)
+        check_bool(learn_frequencies, "learn_frequencies")
         if ndim == 3 and self.head_dim < 8:  # the t axis gets head_dim // 8 frequency pairs
             raise ValueError(
                 f"head_dim must be >= 8 for ndim=3 (a frequency pair per axis), got head_dim={self.head_dim}"

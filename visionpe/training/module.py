@@ -74,8 +74,8 @@ def _check_args(args: dict[str, Any]) -> None:
         error = ValueError if numeric else TypeError
         raise error(f"{name} must be {expected}, got {value!r}")
 
-    if not isinstance(args["model_name"], str) or not args["model_name"]:
-        fail("model_name", "a timm model name")
+    if not isinstance(args["model_name"], str) or not timm.is_model(args["model_name"]):
+        fail("model_name", "a timm model name (timm.list_models(), visionpe_* included)")
     for name in ("pos_embed_kwargs", "model_kwargs"):
         if args[name] is not None and not isinstance(args[name], dict):
             fail(name, "None or a dict")
