@@ -18,7 +18,6 @@ two views' grids. The model has no prefix tokens (no class token); it pools the 
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -184,11 +183,7 @@ class MultiViewViT(VisionPEViT):
     def _depth_readers(self) -> tuple[list[str], list[str]]:
         """(camera schemes that need depths, camera schemes that take them when given)."""
         needs = [n for n, s in self.camera_schemes.items() if "patch_depth" in s.extra_inputs]
-        takes = [
-            n
-            for n, s in self.camera_schemes.items()
-            if isinstance(s, AbsoluteCameraEncoding) and "depth" in inspect.signature(s.forward).parameters
-        ]
+        takes = [n for n, s in self.camera_schemes.items() if "patch_depth" in s.optional_inputs]
         return needs, takes
 
     def _view_patch_depth(self, depth: torch.Tensor | None, x: torch.Tensor, grid_size: tuple[int, int]):
