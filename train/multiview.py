@@ -49,10 +49,10 @@ import torch
 
 import visionpe
 from experiments.multiview import LABELS, MultiViewTask
+from experiments.sweep import bench_results
 from visionpe.camera import Cameras, RelativeCameraEncoding
 from visionpe.registry import get_scheme_class
 
-ROOT = Path(__file__).resolve().parents[1]
 NAME = "multiview"
 CONDITIONS = ("held-out", "moved")
 EVAL_SEED = 2**31 - 1  # the held-out scenes; training draws from the run's seed
@@ -342,16 +342,6 @@ def plot(records: list[dict], schemes: list[str], task: MultiViewTask, path: Pat
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def bench_results():
-    """The benchmarks' result writer, ``bench/results.py`` (a folder of the repository, next to train/)."""
-    sys.path.insert(0, str(ROOT))
-    try:
-        import bench.results
-    finally:
-        sys.path.remove(str(ROOT))
-    return bench.results
 
 
 def write_files(
