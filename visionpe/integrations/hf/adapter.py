@@ -28,14 +28,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...checks import check_instance
+from ...checks import check_instance, check_int
 from ...multimodal.allocation import ALLOCATIONS
 from ...multimodal.ids import get_position_ids
 from ...multimodal.registry import MultimodalScheme, get_multimodal_scheme
 from ...multimodal.rotary import MultimodalRotary, apply_multimodal_rotary
 from .compat import UnsupportedTransformersError, check_transformers, require_interface
 from .families import VLMFamily, find_family
-from .layers import LayerPlan, installed_plan
+from .layers import LayerPlan, bind_arguments, installed_plan
 from .layers import install as install_layer_plan
 from .layers import uninstall as uninstall_layer_plan
 
@@ -113,6 +113,8 @@ class Adapter:
 
 def apply_scheme(adapter: Adapter, model: nn.Module, scheme: str, kwargs: dict[str, Any]) -> nn.Module:
     """``apply_position_scheme(model, scheme, **kwargs)`` of ``adapter``: validate, resolve defaults, install."""
+    check_instance(adapter, "adapter", Adapter, expected="an Adapter")
+    check_instance(kwargs, "kwargs", dict, expected="a dict of options")
     vl_model, family = find_family(model, adapter.name)
     check_interface(family, model, vl_model)
     entry = get_multimodal_scheme(scheme)
@@ -135,6 +137,7 @@ def apply_scheme(adapter: Adapter, model: nn.Module, scheme: str, kwargs: dict[s
 def check_interface(family: VLMFamily, model: nn.Module, vl_model: nn.Module) -> None:
     """The installed transformers' release, and every method the family's adapter replaces (with the arguments it
     reads or passes by name) and every module function it calls (:mod:`~visionpe.integrations.hf.compat`)."""
+    check_instance(family, "family", VLMFamily, expected="a VLMFamily row")
     check_transformers(family.feature)
     for on_outer, name, parameters in family.patched:
         if not on_outer or model is not vl_model:
@@ -146,23 +149,18 @@ def check_interface(family: VLMFamily, model: nn.Module, vl_model: nn.Module) ->
 
 
 def state_of(vl_model: nn.Module | None) -> PatchState | None:
-    """The :class:`PatchState` of a patched inner model, else None."""
-    return None if vl_model is None else vl_model.__dict__.get(_STATE)
+    """The :class:`PatchState` of a patched inner model, else None (also for None)."""
+    if vl_model is None:
+        return None
+    check_instance(vl_model, "vl_model", nn.Module, expected="a torch.nn.Module or None")
+    return vl_model.__dict__.get(_STATE)
 
 
 def own_method(obj: nn.Module, name: str, state: PatchState | None) -> Any:
     """``obj``'s method ``name`` as it was before patching: a shadowed instance attribute, else the class's."""
+    check_instance(name, "name", str, expected="a method name (str)")
     previous = state.originals.get(name) if state is not None else None
     return previous if previous is not None else getattr(type(obj), name).__get__(obj)
-
-
-def bind_arguments(method: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A call's arguments by name (transformers calls with keywords; positional ones are matched to ``method``)."""
-    if not args:
-        return dict(kwargs)
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    names = [n for n, p in inspect.signature(method).parameters.items() if p.kind in positional]
-    return {**dict(zip(names, args, strict=False)), **kwargs}
 
 
 def _install(
@@ -267,6 +265,7 @@ def check_design_options(scheme: str, options: dict[str, Any], spatial_merge_siz
 
 def checked_section(section: Any, entry: MultimodalScheme) -> tuple[int, ...]:
     """``mrope_section`` as a tuple, if the scheme's allocation takes one; its values are checked by the allocation."""
+    check_instance(entry, "entry", MultimodalScheme, expected="a MultimodalScheme registry entry")
     if "mrope_section" not in inspect.signature(ALLOCATIONS[entry.allocation]).parameters:
         raise ValueError(
             f"{entry.name} uses the {entry.allocation!r} allocation, which takes no mrope_section; got {section!r}"
@@ -286,7 +285,8 @@ def scaled_section(default: tuple[int, int, int], num_pairs: int, interleaved: b
     every section pair must exist, i.e. 3 s_h <= P + 1 and 3 s_w <= P: h and w are each cut to their largest
     value there and t takes the rest (2 pairs -> (1, 1, 0), 5 pairs -> (2, 2, 1)); splits that already fit stay.
     """
-    if len(default) != 3 or sum(default) <= 0:
+    check_int(num_pairs, "num_pairs", min=1)
+    if not isinstance(default, (list, tuple)) or len(default) != 3 or sum(default) <= 0:
         raise ValueError(f"default must be a (t, h, w) section with a positive sum, got {default!r}")
     spatial = round(num_pairs * default[1] / sum(default))
     if not interleaved:
@@ -315,6 +315,8 @@ def rotary_options(
 ) -> tuple[int, dict[str, Any]]:
     """(head_dim, allocation options) of the rotary that replaces ``vl_model``'s for ``entry``: ``mrope_section``
     as given or by default (:func:`_default_section`) and, for head-wise allocations, the language model's KV heads."""
+    check_instance(entry, "entry", MultimodalScheme, expected="a MultimodalScheme registry entry")
+    check_instance(family, "family", VLMFamily, expected="a VLMFamily row")
     text_config = vl_model.config.text_config
     rope = dict(getattr(text_config, "rope_parameters", None) or {})
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
@@ -331,15 +333,11 @@ def rotary_options(
 
 
 # ------------------------------------------------------------------------------- per-instance rotary application
+@functools.cache
 def _per_head_apply(module_name: str, name: str) -> Callable[..., Any]:
     """``name`` of the modeling module ``module_name`` (``apply_rotary_pos_emb``), extended to per-head
     (B, H_kv, L, D) tables (MHRoPE), which go to :func:`~visionpe.multimodal.apply_multimodal_rotary`; other tables
-    go to the module's function as it is when called."""
-    return _per_head_apply_cached(module_name, name)
-
-
-@functools.cache
-def _per_head_apply_cached(module_name: str, name: str) -> Callable[..., Any]:
+    go to the module's function as it is when called (one function per module and name)."""
     modeling = importlib.import_module(module_name)
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):

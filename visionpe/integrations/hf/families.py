@@ -117,6 +117,7 @@ class VLMFamily:
 
     def language(self, vl_model: nn.Module) -> nn.Module:
         """The language model of the inner model ``vl_model``."""
+        check_instance(vl_model, "vl_model", nn.Module, expected=f"a {self.model}")
         return getattr(vl_model, self.language_model)
 
     def attentions(self, vl_model: nn.Module) -> list[nn.Module]:
@@ -126,6 +127,7 @@ class VLMFamily:
     def methods(self, model: nn.Module, vl_model: nn.Module) -> list[tuple[nn.Module, str]]:
         """(object, method name) of every method in :attr:`patched`: on ``model`` for the outer ones (skipped when
         ``model`` is the inner model ``vl_model`` itself, which has no ``generate``), else on ``vl_model``."""
+        check_instance(model, "model", nn.Module, expected=f"a {self.model} or {self.outer}")
         outer = model if model is not vl_model else None
         return [(outer if on_outer else vl_model, name) for on_outer, name, _ in self.patched if not on_outer or outer]
 

@@ -39,7 +39,13 @@ from ...multimodal.cca import additive_mask, visual_block_mask
 from ...multimodal.design import assemble_positions, parse_layout
 from ...multimodal.registry import MultimodalScheme
 
-__all__ = ["LayerPlan", "MASK_ATTENTION_IMPLEMENTATIONS", "check_attention_implementation", "split_video_frames"]
+__all__ = [
+    "LayerPlan",
+    "MASK_ATTENTION_IMPLEMENTATIONS",
+    "bind_arguments",
+    "check_attention_implementation",
+    "split_video_frames",
+]
 
 MASK_ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
 _VISUAL_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw")
@@ -279,10 +285,14 @@ def _same_design(a: Any, b: Any) -> bool:
     )
 
 
-def _bind(method: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The call's arguments by name (transformers calls with keywords; positional ones are matched to the signature)."""
+def bind_arguments(method: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The call's arguments by name (transformers calls with keywords; positional ones are matched to the signature
+    of ``method``)."""
+    if not callable(method):
+        raise TypeError(f"method must be callable, got {type(method).__name__}")
     if not args:
         return dict(kwargs)
+
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     names = [n for n, p in inspect.signature(method).parameters.items() if p.kind in positional]
     return {**dict(zip(names, args, strict=False)), **kwargs}
@@ -299,7 +309,7 @@ def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
     plan = self.__dict__.get("visionpe_plan")
     if plan is None:
         return own(*args, **kwargs)
-    plan.call = plan.prepare(self, _bind(own, args, kwargs))
+    plan.call = plan.prepare(self, bind_arguments(own, args, kwargs))
     try:
         return own(*args, **kwargs)
     finally:
@@ -323,7 +333,7 @@ def _layer_forward(self, *args: Any, **kwargs: Any) -> Any:
     call = plan.call if plan is not None else None
     if call is not None:
         if len(args) > 1:  # transformers passes everything but the hidden states by keyword
-            kwargs = _bind(own, args, kwargs)
+            kwargs = bind_arguments(own, args, kwargs)
             args = (kwargs.pop("hidden_states"),)
         variant = plan.layer_variant[self.__dict__["visionpe_layer_index"]]
         variant = call.alias.get(variant, variant)
