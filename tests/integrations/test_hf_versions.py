@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 transformers = pytest.importorskip("transformers")
-from visionpe.integrations.hf import apply_position_scheme, apply_vision_rope  # noqa: E402
+from visionpe.integrations.hf import apply_position_scheme, apply_vision_rope, compat  # noqa: E402
 from visionpe.integrations.hf.compat import (  # noqa: E402
     TRANSFORMERS_MIN,
     UnsupportedTransformersError,
@@ -23,6 +23,10 @@ from . import test_hf_llava as llava  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+# The transformers module the checks read. Importing a modeling module of transformers 5.25 replaces
+# sys.modules["transformers"] once, so the module this file imported can be another object when test modules that
+# import one were collected before it: an older release is simulated on the module that the adapters check.
+CHECKED = compat.transformers
 
 
 def _install_hint(message: str) -> None:
@@ -58,7 +62,7 @@ def test_version_check_names_installed_version_range_and_install_command(version
 def test_adapters_refuse_an_older_transformers_before_patching(family, monkeypatch):
     model = qwen.tiny_model(family) if family in QWEN else llava.tiny_model(family)
     rotary = model.model.language_model.rotary_emb
-    monkeypatch.setattr(transformers, "__version__", "4.57.1")
+    monkeypatch.setattr(CHECKED, "__version__", "4.57.1")
     with pytest.raises(ImportError, match=r"transformers 4\.57\.1 is installed") as err:
         apply_position_scheme(model, "mrope")
     _install_hint(str(err.value))
@@ -69,7 +73,8 @@ def test_adapters_refuse_an_older_transformers_before_patching(family, monkeypat
 def test_vision_rope_refuses_an_older_transformers(family, monkeypatch):
     model = qwen.tiny_model(family)
     own = model.model.visual.rotary_pos_emb
-    monkeypatch.setattr(transformers, "__version__", "5.0.0")
+    monkeypatch.setattr(CHECKED, "__version__", "5.0.0")
+
     with pytest.raises(UnsupportedTransformersError, match=r"apply_vision_rope.*transformers 5\.0\.0 is installed"):
         apply_vision_rope(model, "rope_mixed")
     assert model.model.visual.rotary_pos_emb is own
