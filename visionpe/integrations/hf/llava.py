@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from ...checks import check_tensor
+from ...multimodal.cca import additive_mask, visual_block_mask
 from ...multimodal.design import parse_layout
 from ...multimodal.ids import get_position_ids
 from ...multimodal.registry import MultimodalScheme
@@ -258,8 +259,6 @@ class _Adapter(PatchState):
     ) -> torch.Tensor:
         """(B, 1, L, L) additive mask of a block-mask design (CCA): causal, and inside each visual block key k
         visible to query q iff k's offset in the block is at most q's."""
-        from ...multimodal.cca import additive_mask, visual_block_mask  # only schemes that change the mask need it
-
         types_, image_grid, video_grid, options = self._inputs(vl_model, input_ids, given_types, mask, inputs)
         layout = parse_layout(types_, image_grid, video_grid, mask, 1)
         design = self.entry.run_design(layout, options)
