@@ -583,7 +583,6 @@ def test_classifier_checks_the_model_kwargs_of_timm_models(kwargs):
     assert outcome(call, set(kwargs)) is REFUSED
 
 
-@pytest.mark.xfail(strict=True, reason="2 rotary pairs for 3 axes: 'axis_pairs[2] must be a positive int', not given")
 @pytest.mark.parametrize("name", ["harope", "rope_axial", "rope_learned"])
 def test_video_rotary_with_too_few_pairs_names_head_dim(name):
     kwargs = dict(pos_embed=name, img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=4, num_frames=2)

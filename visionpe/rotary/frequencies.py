@@ -62,7 +62,14 @@ def default_axis_pairs(head_dim: int, ndim: int) -> tuple[int, ...]:
     pairs = head_dim // 2
     n_t = pairs // 4 if ndim == 3 else 0
     n_x = (pairs - n_t) // 2
-    return (n_x, pairs - n_t - n_x) + ((n_t,) if ndim == 3 else ())
+    split = (n_x, pairs - n_t - n_x) + ((n_t,) if ndim == 3 else ())
+    if min(split) < 1:
+        axes, least = ("x, y, t", 8) if ndim == 3 else ("x, y", 4)
+        raise ValueError(
+            f"head_dim must give every axis of a {ndim}D grid ({axes}) a rotary pair by default: head_dim >= {least}, "
+            f"got head_dim={head_dim} ({pairs} pairs); use more channels per head or pass axis_pairs"
+        )
+    return split
 
 
 def axial_frequencies(head_dim: int, base: float, axis_pairs: Sequence[int]) -> torch.Tensor:

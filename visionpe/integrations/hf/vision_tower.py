@@ -57,7 +57,7 @@ from torch import nn
 from ...base import PositionEncoding, check_layer
 from ...checks import check_bool, check_choice, describe
 from ...grid import validate_grid_size
-from ...registry import create_pos_embed, get_scheme_class
+from ...registry import create_pos_embed, get_scheme_class, registered_schemes
 from ...rotary.base import LinearRotary
 from ...rotary.functional import rotary_angles
 from ...rotary.rope_mixed import RopeMixed
@@ -380,11 +380,12 @@ def _check_scheme_class(cls: type, given: Any) -> None:
             f"scheme must be a rotary scheme (it replaces the tower's RoPE, a rotation of q and k), got {given!r}, "
             f"a {kind or 'non-visionpe'} scheme that {what.get(kind, 'is no rotary')}"
         )
-    if not issubclass(cls, LinearRotary) or cls.prepare is not LinearRotary.prepare:
+    if not cls.per_token_tables:
+        tables = sorted(n for n in registered_schemes() if get_scheme_class(n).per_token_tables)
         raise TypeError(
-            f"scheme must rotate pairs of channels by angles linear in position (a LinearRotary such as rope_axial, "
-            f"rope_mixed, rope_learned, rope_dinov3, gridpe), which the tower's attention applies as cos/sin tables; "
-            f"got {name!r} ({cls.__name__}), whose rotation is not such a table"
+            f"scheme must rotate pairs of channels by angles linear in position ({', '.join(tables)}), which the "
+            f"tower's attention applies as cos/sin tables; got {name!r} ({cls.__name__}), whose rotation is not such "
+            "a table"
         )
 
 
