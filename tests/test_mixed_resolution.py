@@ -16,7 +16,7 @@ import visionpe
 from visionpe.grid import MixedGrid, mixed_grid
 from visionpe.models.naflex import NAFLEX_KEYS, apply_per_grid, embed_patches, naflex_inputs, pool_valid
 
-from .conftest import ALL_SCHEMES
+from .conftest import ALL_SCHEMES, scheme_class
 from .reliability.helpers import perturb_
 
 PATCH = 4
@@ -55,7 +55,11 @@ def assert_each_alone(model, images, batch, **forward_kwargs) -> torch.Tensor:
     return mixed
 
 
-@pytest.mark.parametrize("name", ALL_SCHEMES)
+# every scheme that declares mixed-resolution batches (``supports_mixed_resolution``)
+MIXED = [n for n in ALL_SCHEMES if scheme_class(n).supports_mixed_resolution]
+
+
+@pytest.mark.parametrize("name", MIXED)
 def test_mixed_batch_logits_equal_each_image_alone(name):
     model = tiny(name)
     images = grid_images()

@@ -7,6 +7,8 @@ input: bf16 2^-6 (measured up to 2^-7 on Cayley-STRING), fp16 2^-9 (measured up 
 angles themselves to bf16 would give 0.1, and bf16 frequencies 0.02: the tolerance tells them apart.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ from visionpe.multimodal import (
 from visionpe.multimodal.v2pe import V2PE_DELTAS
 from visionpe.rotary.functional import apply_rotary, rotary_angles, rotary_tables
 
-from ..conftest import VIDEO, takes_option
+from ..conftest import FAMILY_REPRESENTATIVES, VIDEO, takes_option
 from .helpers import ALL_SCHEMES, ROTARY, perturb_, position_tables, tiny_vit
 
 GRID_1024 = (64, 64)  # 1024 x 1024 pixels, patch 16
@@ -103,19 +105,63 @@ def _no_nan_or_inf(model, size, dtype):
     return bool(torch.isfinite(tokens).all())
 
 
-@pytest.mark.parametrize("name", ALL_SCHEMES)
+# The whole model at 1024 x 1024 runs one scheme per implementation family (tests/conftest.py): the model around the
+# scheme and the family's code (the rotation applied in attention, the bias gathered per query chunk) are the same for
+# every scheme of the family. Every other scheme's own numbers (its tables, bias or embedding) are checked at the same
+# grids, dtypes and weights without the model around them.
+SIZES_1024 = [((1024, 1024), torch.bfloat16), ((1024, 1024), torch.float16)]
+SIZES_1024 += [(size, torch.bfloat16) for size in ((16, 1024), (1024, 16), (16, 16))]
+
+
+@pytest.mark.parametrize("name", FAMILY_REPRESENTATIVES)
 def test_no_nan_or_inf_at_supported_sizes(name):
     """One block at 1024 x 1024 under bf16 and fp16 autocast and as a whole-bf16 model, and at the thinnest grids
     (1 x 64, 64 x 1) and a single patch."""
     torch.manual_seed(0)
     model = perturb_(tiny_vit(name, img_size=224, patch_size=16, dynamic_img_size=True)).eval()
-    cases = [((1024, 1024), torch.bfloat16), ((1024, 1024), torch.float16)]
-    cases += [(size, torch.bfloat16) for size in ((16, 1024), (1024, 16), (16, 16))]
-    failed = [case for case in cases if not _no_nan_or_inf(model, *case)]
+    failed = [case for case in SIZES_1024 if not _no_nan_or_inf(model, *case)]
     model.to(torch.bfloat16)
     with torch.no_grad():
         if not torch.isfinite(model.forward_features(torch.randn(1, 3, 1024, 1024, dtype=torch.bfloat16))).all():
             failed.append("bf16 weights")
+    assert not failed, f"{name}: NaN or inf at {failed}"
+
+
+def _position_terms(scheme, grid, dtype, prefix=0, autocast=True):
+    """What ``scheme`` (width 64, two heads) contributes at ``grid`` after ``prefix`` prefix tokens, from input in
+    ``dtype`` (under autocast to it, or not: a scheme whose weights are in ``dtype``): rotated q and k, the bias (its
+    per-offset tables where it gives them: every pair reads one of their entries, tests/bias/test_fused_bias.py; or q
+    and k with the bias's channels), or the tokens with the embedding added."""
+    n = prefix + math.prod(grid)
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        if scheme.kind == "rotary":
+            qk = torch.randn(2, 1, 2, n, 32).to(dtype)
+            return scheme.apply(qk, scheme.prepare(scheme.coords(grid), prefix, grid_size=grid), 0)
+        if scheme.kind == "bias":
+            q = torch.randn(1, 2, n, 32).to(dtype)
+            tokens = {"tokens": torch.randn(1, n, 64).to(dtype)} if scheme.needs_tokens else {}
+            state = scheme.prepare(grid, prefix)
+            if scheme.augments_qk:  # the bias as extra q/k channels
+                return torch.cat(scheme.augment_qk(q, q, state, 0, **tokens), -1)
+            terms = scheme.fused_bias(q, q, state, 0)
+            if terms is not None:
+                return torch.cat([term.values.flatten() for term in terms])
+            return scheme.attn_bias(q, q, state, 0, **tokens)
+        return scheme(torch.randn(1, n, 64).to(dtype), grid, prefix)
+
+
+@pytest.mark.parametrize("name", [n for n in ALL_SCHEMES if n not in FAMILY_REPRESENTATIVES])
+def test_no_nan_or_inf_in_the_position_terms_at_supported_sizes(name):
+    """The other schemes of each family, without the model: their own terms at the grids of the test above (a
+    64 x 64 grid and a class token, 1 x 64, 64 x 1, a single patch) under bf16 and fp16 autocast and in bf16."""
+    torch.manual_seed(0)
+    extra = {"grid_size": (14, 14)} if takes_option(name, "grid_size") else {}  # the model's grid at 224 px
+    scheme = perturb_(visionpe.create_pos_embed(name, dim=64, num_heads=2, depth=1, **extra)).eval()
+    grids = [(tuple(n // 16 for n in size), dtype) for size, dtype in SIZES_1024]
+    failed = [case for case in grids if not torch.isfinite(_position_terms(scheme, *case, prefix=1)).all()]
+    scheme.to(torch.bfloat16)
+    if not torch.isfinite(_position_terms(scheme, (64, 64), torch.bfloat16, prefix=1, autocast=False)).all():
+        failed.append("bf16 weights")
     assert not failed, f"{name}: NaN or inf at {failed}"
 
 
@@ -125,22 +171,7 @@ def test_no_nan_or_inf_on_video_grids(name):
     torch.manual_seed(0)
     options = {"ndim": 3} if takes_option(name, "ndim") else {}
     scheme = perturb_(visionpe.create_pos_embed(name, dim=64, num_heads=2, depth=1, **options))
-    grid = (16, 14, 14)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        if scheme.kind == "rotary":
-            qk = torch.randn(2, 1, 2, 16 * 14 * 14, 32, dtype=torch.bfloat16)
-            out = scheme.apply(qk, scheme.prepare(scheme.coords(grid), 0, grid_size=grid), 0)
-        elif scheme.kind == "bias":
-            q = torch.randn(1, 2, 16 * 14 * 14, 32, dtype=torch.bfloat16)
-            tokens = {"tokens": torch.randn(1, 16 * 14 * 14, 64, dtype=torch.bfloat16)} if scheme.needs_tokens else {}
-            state = scheme.prepare(grid, 0)
-            if scheme.augments_qk:  # the bias as extra q/k channels
-                out = torch.cat(scheme.augment_qk(q, q, state, 0, **tokens), -1)
-            else:
-                out = scheme.attn_bias(q, q, state, 0, **tokens)
-        else:
-            out = scheme(torch.randn(1, 16 * 14 * 14, 64, dtype=torch.bfloat16), grid, 0)
-    assert torch.isfinite(out).all()
+    assert torch.isfinite(_position_terms(scheme, (16, 14, 14), torch.bfloat16)).all()
 
 
 # -- multimodal: positions up to 1,000,000 -------------------------------------------------------------------------
