@@ -229,7 +229,9 @@ def test_shift_is_training_only_and_gives_image_b_the_window_b_mod_w():
 def test_constructor_checks():
     with pytest.raises(ValueError, match="pe_max_position must be an int >= 4, got 2"):
         _scheme(pe_max_position=2)
-    with pytest.raises(ValueError, match="dim must be divisible by num_heads, got dim=32, num_heads=3"):
+    with pytest.raises(
+        ValueError, match="embed_dim must be divisible by encoder_heads, got embed_dim=32, encoder_heads=3"
+    ):
         _scheme(encoder_heads=3)
     with pytest.raises(ValueError, match=r"contrastive_candidates must be below the 100 positions.*got 100"):
         _scheme(pe_max_position=100, contrastive_candidates=100)

@@ -226,6 +226,8 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
         self.head_dim, self.coord_mode = head_dim, coord_mode
         if is_int(grid_size):  # the same size on every axis, as timm takes img_size=224
             grid_size = (grid_size,) * ndim
+        if isinstance(grid_size, (tuple, list)) and len(grid_size) != ndim:
+            raise ValueError(f"grid_size must have ndim={ndim} entries, got {tuple(grid_size)}")
         if grid_size is not None:
             grid_size = validate_grid_size(grid_size, "grid_size", ndims=(ndim,))
         self.init_extrapolation(extrapolation, grid_size, yarn_alpha, yarn_beta)

@@ -177,6 +177,8 @@ class LieBlockRotary(RotaryPositionEncoding, Extrapolation):
             raise ValueError(f"ndim must be 2 or 3, got {ndim!r}")
         if is_int(grid_size):  # the same size on every axis, as timm takes img_size=224
             grid_size = (grid_size,) * ndim
+        if isinstance(grid_size, (tuple, list)) and len(grid_size) != ndim:
+            raise ValueError(f"grid_size must have ndim={ndim} entries, got {tuple(grid_size)}")
         if grid_size is not None:
             grid_size = validate_grid_size(grid_size, "grid_size", ndims=(ndim,))
         self.dim, self.num_heads, self.depth, self.ndim = dim, num_heads, depth, ndim
