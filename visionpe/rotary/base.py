@@ -16,9 +16,11 @@ the keys' tables and attention's output back by the queries', o_i = R(p_i)^T sum
 
 from __future__ import annotations
 
+import inspect
 from abc import abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, ClassVar
 
 import torch
 
@@ -29,7 +31,7 @@ from ..interfaces.rotary import IdentityRotation, LayerRotation, RotaryState
 from .functional import apply_rotary, rotary_angles, rotary_tables, rotate_qkv_pairs_
 from .scaling import Extrapolation
 
-__all__ = ["LinearRotary", "LayerAngles", "TableState", "TableRotation"]
+__all__ = ["LinearRotary", "RotaryOptions", "LayerAngles", "TableState", "TableRotation"]
 
 
 class TableRotation(LayerRotation):
@@ -175,6 +177,63 @@ class LayerAngles(RotaryState):
         return TableRotation(cos, sin, values)
 
 
+@dataclass(frozen=True)
+class RotaryOptions:
+    """The options every :class:`LinearRotary` scheme shares, declared once: a scheme's constructor takes them as
+    keywords (``create_pos_embed("rope_axial", ..., extrapolation="yarn")``) on top of its own options.
+
+    Fields, in the order :class:`LinearRotary` takes them positionally:
+        coord_mode: grid convention, one of :data:`~visionpe.grid.COORD_MODES` (``index``: integer patch positions).
+        grid_size: training grid (the model passes it); the reference of ``extrapolation`` and of ``ref_scaled``.
+        extrapolation: ``none`` (default), ``pi``, ``ntk`` or ``yarn`` scaling at a larger grid
+            (:mod:`visionpe.rotary.scaling`; each scheme lists its modes in ``supported_extrapolation``).
+        yarn_alpha, yarn_beta: YaRN ramp bounds.
+        rotate_values: rotary value embeddings (RoVE): rotate v by the keys' positions and attention's output back
+            by the queries' (see the module docstring); False by default. Keyword only.
+
+    The values are checked where a scheme is built (:class:`LinearRotary`): ``grid_size`` against the scheme's
+    ``ndim``, ``extrapolation`` against the modes it implements.
+
+    Example:
+        >>> RotaryOptions(extrapolation="yarn").replace(grid_size=(14, 14)).grid_size
+        (14, 14)
+    """
+
+    coord_mode: str = "index"
+    grid_size: Sequence[int] | int | None = None
+    extrapolation: str = "none"
+    yarn_alpha: float = 1.0
+    yarn_beta: float = 32.0
+    rotate_values: bool = field(default=False, kw_only=True)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The option names, in field order."""
+        return tuple(f.name for f in fields(cls))
+
+    def replace(self, **changes: Any) -> RotaryOptions:
+        """A copy with ``changes`` (option names) set; TypeError naming an unknown option."""
+        unknown = [k for k in changes if k not in self.names()]
+        if unknown:
+            raise TypeError(f"RotaryOptions got unknown option(s) {unknown}; valid options: {list(self.names())}")
+        return replace(self, **changes)
+
+
+def _with_shared_options(init: Any, names: tuple[str, ...]) -> inspect.Signature:
+    """``init``'s signature with its ``**options`` replaced by the shared options ``names`` as keywords, with the
+    defaults of :class:`RotaryOptions`: what :func:`inspect.signature`, the registry and the docs read."""
+    params = list(inspect.signature(init).parameters.values())
+    defaults = {f.name: f.default for f in fields(RotaryOptions)}
+    annotations = {f.name: f.type for f in fields(RotaryOptions)}
+    shared = [
+        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=defaults[n], annotation=annotations[n])
+        for n in names
+    ]
+    own = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    split = next((i for i, p in enumerate(own) if p.kind is inspect.Parameter.KEYWORD_ONLY), len(own))
+    return inspect.signature(init).replace(parameters=[*own[:split], *shared, *own[split:]])
+
+
 class LinearRotary(RotaryPositionEncoding, Extrapolation):
     """Subclasses implement :meth:`frequencies`, returning (depth | 1, num_heads | 1, ndim, head_dim // 2).
 
@@ -187,6 +246,11 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
     interpolation) is relative to the training grid, so it needs ``grid_size``.
     ``rotate_values=True`` (rotary value embeddings, see the module docstring) also rotates the values by the keys'
     positions and attention's output back by the queries', with unit tables of the same angles.
+
+    These shared options are one :class:`RotaryOptions`. A subclass declares only its own arguments and takes the
+    shared ones as ``**options``, turned into a :class:`RotaryOptions` by :meth:`rotary_options`; its constructor
+    then presents them by name (:func:`inspect.signature`, :meth:`option_names`, read by the registry and the
+    models), as keywords after its own. ``shared_options`` lists those it takes.
     """
 
     grid_ranks = (2, 3)
@@ -194,20 +258,63 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
     rotary_backends = ("eager", "fused")
     per_token_tables = True
 
+    #: the fields of :class:`RotaryOptions` a subclass's constructor takes as keywords (its ``**options``); a
+    #: subclass that fixes some of them (``rope_dinov3``: coordinates and extrapolation) names fewer
+    shared_options: ClassVar[tuple[str, ...]] = RotaryOptions.names()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A constructor that takes the shared options as ``**options`` is given the signature that names them
+        (its own arguments, then ``shared_options`` as keywords), so that the registry, the models and
+        :func:`inspect.signature` see every option the scheme takes."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None and "options" in inspect.signature(init).parameters:
+            kind = inspect.signature(init).parameters["options"].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                init.__signature__ = _with_shared_options(init, cls.shared_options)
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """The keyword options of the scheme: its constructor's arguments but the model's ``dim``, ``num_heads`` and
+        ``depth`` (its own options, then the shared ones it takes)."""
+        params = inspect.signature(cls.__init__).parameters
+        return tuple(n for n in params if n not in ("self", "dim", "num_heads", "depth"))
+
+    @classmethod
+    def rotary_options(cls, options: dict[str, Any], **fixed: Any) -> RotaryOptions:
+        """The :class:`RotaryOptions` of a constructor's ``**options`` (and of the values ``fixed`` by the scheme);
+        TypeError naming an option the scheme does not take, as Python's own for an unexpected keyword."""
+        if not isinstance(options, dict):
+            raise TypeError(f"options must be a dict of keyword options, got {type(options).__name__}")
+        for name in options:
+            if name not in cls.shared_options:
+                raise TypeError(f"{cls.__name__}.__init__() got an unexpected keyword argument {name!r}")
+        return RotaryOptions(**fixed, **options)
+
     def __init__(
         self,
         dim: int,
         num_heads: int,
         depth: int,
         ndim: int,
-        coord_mode: str = "index",
-        grid_size: Sequence[int] | None = None,
-        extrapolation: str = "none",
-        yarn_alpha: float = 1.0,
-        yarn_beta: float = 32.0,
-        *,
-        rotate_values: bool = False,
+        *args: Any,
+        options: RotaryOptions | None = None,
+        **kwargs: Any,
     ) -> None:
+        """``options``: the shared options (:class:`RotaryOptions`); or, for subclasses written without it, its fields
+        as arguments, positionally in field order (``coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta``)
+        or by name."""
+        if options is None:
+            options = RotaryOptions(*args, **kwargs)
+        elif not isinstance(options, RotaryOptions):
+            raise TypeError(f"options must be a RotaryOptions, got {type(options).__name__}")
+        elif args or kwargs:
+            raise TypeError(
+                "give the shared options either as options=RotaryOptions(...) or as separate arguments, not both; "
+                f"got options and {[*map(repr, args), *kwargs]}"
+            )
+        coord_mode, grid_size, rotate_values = options.coord_mode, options.grid_size, options.rotate_values
+        extrapolation, yarn_alpha, yarn_beta = options.extrapolation, options.yarn_alpha, options.yarn_beta
         super().__init__()
         head_dim = check_model_shape(dim, num_heads, depth)
         self.rotate_values = check_bool(rotate_values, "rotate_values")
