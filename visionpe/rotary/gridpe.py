@@ -32,7 +32,7 @@ taller and cut to the sequence length, which shifts every patch's position by on
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -104,12 +104,8 @@ class GridPE(LinearRotary):
             in 2D as the paper, e^(1/3) in 3D [reading].
         seed: seed of the generator that draws each module's orientation once (kept in the ``directions`` buffer).
         ndim: 2 for images (y, x), 3 for video (t, y, x).
-        coord_mode: grid convention (``index``: integer patch positions).
-        grid_size: training grid (the model passes it); the reference of ``extrapolation``.
-        extrapolation: ``none`` (default), ``pi``, ``ntk`` or ``yarn`` scaling at a larger grid.
-        yarn_alpha, yarn_beta: YaRN ramp bounds.
-        rotate_values: rotary value embeddings (RoVE): rotate v by the keys' positions and attention's output back
-            by the queries' (:mod:`visionpe.rotary.base`); False by default.
+        coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta, rotate_values: the shared rotary options, by
+            keyword (:class:`~visionpe.rotary.base.RotaryOptions`: integer patch positions, no extrapolation).
 
     head_dim // 2 pairs give (head_dim // 2) // (ndim + 1) modules; the remaining pairs have frequency 0.
     """
@@ -123,25 +119,9 @@ class GridPE(LinearRotary):
         ratio: float | None = None,
         seed: int = 0,
         ndim: int = 2,
-        coord_mode: str = "index",
-        grid_size: Sequence[int] | None = None,
-        extrapolation: str = "none",
-        yarn_alpha: float = 1.0,
-        yarn_beta: float = 32.0,
-        rotate_values: bool = False,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            dim,
-            num_heads,
-            depth,
-            ndim,
-            coord_mode,
-            grid_size,
-            extrapolation,
-            yarn_alpha,
-            yarn_beta,
-            rotate_values=rotate_values,
-        )
+        super().__init__(dim, num_heads, depth, ndim, options=self.rotary_options(options))
         self.omega0 = check_float(omega0, "omega0", min=0, min_open=True)
         if ratio is None:
             ratio = default_ratio(ndim)

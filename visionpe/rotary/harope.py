@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -141,10 +142,10 @@ class HARoPE(LinearRotary):
         axis_pairs: rotary pairs per axis in order x, y[, t]; default (d/4, d/4) in 2D, as ``rope_axial``.
         pair_order: ``"xy"`` (the x pairs first, ``rope_axial``'s layout) or ``"yx"`` (the row pairs first, the
             reference's layout); see the module docstring.
-        coord_mode: grid convention (``index``: integer patch positions, as the reference).
-        grid_size: training grid (the model passes it); the reference of ``extrapolation``.
-        extrapolation: ``none``, ``pi``, ``ntk`` or ``yarn``, applied to the inner RoPE (M does not depend on position).
-        yarn_alpha, yarn_beta: YaRN ramp bounds.
+        coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta: the shared rotary options, by keyword
+            (:class:`~visionpe.rotary.base.RotaryOptions`: integer patch positions as the reference, no
+            extrapolation); the extrapolation modes apply to the inner RoPE (M does not depend on position). No
+            ``rotate_values``: M acts on q and k only.
 
     Parameters: depth * num_heads * (2 head_dim^2 + head_dim), kept out of weight decay. Each forward takes
     2 * depth * num_heads head_dim x head_dim matrix exponentials (fp32).
@@ -153,6 +154,8 @@ class HARoPE(LinearRotary):
     onnx_refusal = "torch.linalg.matrix_exp (its U and V) has no ONNX translation; fold_harope_ first"
 
     per_token_tables = False  # a learned basis change before the tables
+    # M acts on q and k only: no rotary value embeddings
+    shared_options = tuple(n for n in LinearRotary.shared_options if n != "rotate_values")
 
     def __init__(
         self,
@@ -163,13 +166,9 @@ class HARoPE(LinearRotary):
         ndim: int = 2,
         axis_pairs: Sequence[int] | None = None,
         pair_order: str = "xy",
-        coord_mode: str = "index",
-        grid_size: Sequence[int] | None = None,
-        extrapolation: str = "none",
-        yarn_alpha: float = 1.0,
-        yarn_beta: float = 32.0,
+        **options: Any,
     ) -> None:
-        super().__init__(dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta)
+        super().__init__(dim, num_heads, depth, ndim, options=self.rotary_options(options))
         axis_pairs = check_axis_pairs(default_axis_pairs(self.head_dim, ndim) if axis_pairs is None else axis_pairs)
         if len(axis_pairs) != ndim:
             raise ValueError(f"axis_pairs must have {ndim} entries for ndim={ndim}, got {tuple(axis_pairs)}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -41,13 +42,9 @@ class RopeAxial(LinearRotary):
             ``"yx"`` (EVA-02, timm's ``grid_indexing="ij"``), or in 3D a permutation of ``"xyt"`` (default).
         coord_offset: added to every integer position (``index`` and ``ref_scaled`` coordinates) before scaling;
             0 (default) leaves the coordinates as they are.
-        coord_mode: grid convention (``index`` = the paper's integer positions).
-        grid_size: training grid (the model passes it); the reference of ``extrapolation``.
-        extrapolation: ``none`` (default), ``pi``, ``ntk`` or ``yarn`` scaling at a larger grid
-            (:mod:`visionpe.rotary.scaling`).
-        yarn_alpha, yarn_beta: YaRN ramp bounds.
-        rotate_values: rotary value embeddings (RoVE): rotate v by the keys' positions and attention's output back
-            by the queries' (:mod:`visionpe.rotary.base`); False by default.
+        coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta, rotate_values: the shared rotary options, by
+            keyword (:class:`~visionpe.rotary.base.RotaryOptions`: ``index``, the paper's integer positions, and no
+            extrapolation by default).
     """
 
     axial_spectrum = True  # each pair turns with one axis: RIFLEx's bands (extrapolation="riflex", .scaling)
@@ -60,27 +57,11 @@ class RopeAxial(LinearRotary):
         base: float = 100.0,
         ndim: int = 2,
         axis_pairs: Sequence[int] | None = None,
-        coord_mode: str = "index",
-        grid_size: Sequence[int] | None = None,
-        extrapolation: str = "none",
-        yarn_alpha: float = 1.0,
-        yarn_beta: float = 32.0,
-        rotate_values: bool = False,
         axis_order: str | None = None,
         coord_offset: float = 0.0,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            dim,
-            num_heads,
-            depth,
-            ndim,
-            coord_mode,
-            grid_size,
-            extrapolation,
-            yarn_alpha,
-            yarn_beta,
-            rotate_values=rotate_values,
-        )
+        super().__init__(dim, num_heads, depth, ndim, options=self.rotary_options(options))
         axis_pairs = check_axis_pairs(default_axis_pairs(self.head_dim, ndim) if axis_pairs is None else axis_pairs)
         if len(axis_pairs) != ndim:
             raise ValueError(f"axis_pairs must have {ndim} entries for ndim={ndim}, got {tuple(axis_pairs)}")
@@ -89,10 +70,10 @@ class RopeAxial(LinearRotary):
         orders = tuple("".join(p) for p in itertools.permutations(axes))
         self.axis_order = axes if axis_order is None else check_choice(axis_order, "axis_order", orders)
         self.coord_offset = check_float(coord_offset, "coord_offset")
-        if self.coord_offset and coord_mode not in ("index", "ref_scaled"):
+        if self.coord_offset and self.coord_mode not in ("index", "ref_scaled"):
             raise ValueError(
                 f"coord_offset shifts integer positions, so it takes coord_mode 'index' or 'ref_scaled', got "
-                f"coord_mode={coord_mode!r} with coord_offset={coord_offset!r}"
+                f"coord_mode={self.coord_mode!r} with coord_offset={coord_offset!r}"
             )
         self.register_buffer("freqs", self._frequency_table(), persistent=False)
 

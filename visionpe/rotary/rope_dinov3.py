@@ -22,7 +22,7 @@ weights permutes the rows of W_q and W_k (and their biases) of each head once.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -94,13 +94,16 @@ class RopeDinoV3(LinearRotary):
         shift_coords, jitter_coords, rescale_coords: the training-time augmentation's bounds, s >= 0 and J, S >= 1,
             or None (off). Released: None, None, 2. They set :attr:`coord_augment` (``kind="dinov3"``), which
             :func:`~visionpe.base.set_coord_augment` or the model's ``coord_augment=`` may replace.
-        grid_size: the training grid (the model passes it); kept as ``train_grid_size``, nothing depends on it.
+        grid_size: the training grid (the model passes it), by keyword, the one shared rotary option
+            (:class:`~visionpe.rotary.base.RotaryOptions`) DINOv3 takes; kept as ``train_grid_size``, nothing
+            depends on it.
 
     Extrapolation modes (PI, NTK, YaRN) do not apply: the normalised coordinates already interpolate.
     """
 
     supported_extrapolation = ("none",)
     grid_ranks = (2,)  # DINOv3's coordinate normalisation and augmentation are 2D
+    shared_options = ("grid_size",)  # the coordinates are DINOv3's, and nothing is extrapolated
 
     def __init__(
         self,
@@ -114,9 +117,9 @@ class RopeDinoV3(LinearRotary):
         shift_coords: float | None = None,
         jitter_coords: float | None = None,
         rescale_coords: float | None = 2.0,
-        grid_size: Sequence[int] | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(dim, num_heads, depth, 2, coord_mode="normalized", grid_size=grid_size)
+        super().__init__(dim, num_heads, depth, 2, options=self.rotary_options(options, coord_mode="normalized"))
         self.coord_mode = "normalized_pm1"  # 2 (i + 0.5) / n - 1 (grid_coords' mode of that name for "separate")
         self.normalize_coords = check_choice(normalize_coords, "normalize_coords", NORMALIZE_COORDS)
         self.base, self.min_period, self.max_period = base, min_period, max_period

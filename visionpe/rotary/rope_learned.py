@@ -17,6 +17,7 @@ as to RoPE-Axial's. The log-frequencies are kept out of weight decay (decay woul
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,12 +43,9 @@ class RopeLearned(LinearRotary):
         axis_pairs: pairs per axis in order x, y[, t], as RoPE-Axial; default (d/4, d/4) in 2D, d/8 pairs for t
             in 3D.
         share: ``"model"`` (default): one set of frequencies for every layer; ``"layer"``: one set per layer.
-        coord_mode: grid convention (``index``: integer patch positions, as RoPE-Axial).
-        grid_size: training grid (the model passes it); the reference of ``extrapolation``.
-        extrapolation: ``none`` (default), ``pi``, ``ntk`` or ``yarn``, applied to the learned frequencies.
-        yarn_alpha, yarn_beta: YaRN ramp bounds.
-        rotate_values: rotary value embeddings (RoVE): rotate v by the keys' positions and attention's output back
-            by the queries' (:mod:`visionpe.rotary.base`); False by default.
+        coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta, rotate_values: the shared rotary options, by
+            keyword (:class:`~visionpe.rotary.base.RotaryOptions`: integer patch positions as RoPE-Axial, no
+            extrapolation); the extrapolation modes apply to the learned frequencies.
 
     Parameters: ``log_freqs`` of shape (1 | depth, head_dim // 2), each pair's log-frequency on its own axis.
     """
@@ -61,25 +59,9 @@ class RopeLearned(LinearRotary):
         ndim: int = 2,
         axis_pairs: Sequence[int] | None = None,
         share: str = "model",
-        coord_mode: str = "index",
-        grid_size: Sequence[int] | None = None,
-        extrapolation: str = "none",
-        yarn_alpha: float = 1.0,
-        yarn_beta: float = 32.0,
-        rotate_values: bool = False,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            dim,
-            num_heads,
-            depth,
-            ndim,
-            coord_mode,
-            grid_size,
-            extrapolation,
-            yarn_alpha,
-            yarn_beta,
-            rotate_values=rotate_values,
-        )
+        super().__init__(dim, num_heads, depth, ndim, options=self.rotary_options(options))
         self.share = check_choice(share, "share", SHARE_MODES)
         axis_pairs = check_axis_pairs(default_axis_pairs(self.head_dim, ndim) if axis_pairs is None else axis_pairs)
         if len(axis_pairs) != ndim:

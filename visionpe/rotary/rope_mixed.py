@@ -10,7 +10,7 @@ temporal component stays unused (author's note), so it starts non-zero.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,13 +43,10 @@ class RopeMixed(LinearRotary):
         dim, num_heads, depth: model shape; one frequency set per block and head.
         base: magnitude base of the init (rope-vit uses 10).
         ndim: 2 for images, 3 for video.
-        coord_mode: grid convention (``index`` as in the paper).
-        grid_size: training grid (the model passes it); the reference of ``extrapolation``.
-        extrapolation: ``none`` (default), ``pi``, ``ntk`` or ``yarn``; each component f_{a,n} is scaled with its
-            own axis wavelength 2 pi / |f_{a,n}| (see :mod:`visionpe.rotary.scaling`).
-        yarn_alpha, yarn_beta: YaRN ramp bounds.
-        rotate_values: rotary value embeddings (RoVE): rotate v by the keys' positions and attention's output back
-            by the queries' (:mod:`visionpe.rotary.base`); False by default.
+        coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta, rotate_values: the shared rotary options, by
+            keyword (:class:`~visionpe.rotary.base.RotaryOptions`: ``index`` as in the paper, no extrapolation). Under
+            ``pi``, ``ntk`` or ``yarn`` each component f_{a,n} is scaled with its own axis wavelength
+            2 pi / |f_{a,n}| (see :mod:`visionpe.rotary.scaling`).
     """
 
     def __init__(
@@ -59,25 +56,9 @@ class RopeMixed(LinearRotary):
         depth: int = 1,
         base: float = 10.0,
         ndim: int = 2,
-        coord_mode: str = "index",
-        grid_size: Sequence[int] | None = None,
-        extrapolation: str = "none",
-        yarn_alpha: float = 1.0,
-        yarn_beta: float = 32.0,
-        rotate_values: bool = False,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            dim,
-            num_heads,
-            depth,
-            ndim,
-            coord_mode,
-            grid_size,
-            extrapolation,
-            yarn_alpha,
-            yarn_beta,
-            rotate_values=rotate_values,
-        )
+        super().__init__(dim, num_heads, depth, ndim, options=self.rotary_options(options))
         self.base = check_base(base)
         self.freqs = nn.Parameter(init_mixed_frequencies(self.head_dim, depth, num_heads, base, ndim))
 

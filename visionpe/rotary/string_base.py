@@ -15,8 +15,6 @@ output projection as well.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import nn
 
@@ -24,7 +22,7 @@ from ..attention import PosAttention
 from ..base import check_rotate_input
 from ..checks import check_bool
 from ..interfaces.rotary import LayerRotation, RotaryState
-from .base import LinearRotary
+from .base import LinearRotary, RotaryOptions
 
 __all__ = ["StringBase", "StringState", "BasisRotation", "fold_string_"]
 
@@ -138,38 +136,29 @@ class StringBase(LinearRotary):
         num_heads: int,
         depth: int,
         ndim: int,
-        coord_mode: str = "index",
-        grid_size: Sequence[int] | None = None,
-        extrapolation: str = "none",
-        yarn_alpha: float = 1.0,
-        yarn_beta: float = 32.0,
         depth_coords: bool = False,
-        rotate_values: bool = False,
+        options: RotaryOptions | None = None,
     ) -> None:
+        """``options``: the shared rotary options (:class:`~visionpe.rotary.base.RotaryOptions`), None for the
+        defaults."""
         check_bool(depth_coords, "depth_coords")
+        if options is None:
+            options = RotaryOptions()
+        elif not isinstance(options, RotaryOptions):
+            raise TypeError(f"options must be a RotaryOptions or None, got {type(options).__name__}")
         if depth_coords:
             # RGB-D: r = (z, y, x) on a 2D image grid, z from each patch's mean depth
             if ndim != 2:
                 raise ValueError(f"depth_coords=True adds a depth axis to 2D image grids (ndim=2), got ndim={ndim}")
+            extrapolation, coord_mode = options.extrapolation, options.coord_mode
             if extrapolation != "none" or coord_mode == "ref_scaled":
                 raise ValueError(
                     "depth_coords=True rotates by learned depth positions, which no grid ratio scales: it needs "
                     f"extrapolation='none' and a coord_mode other than 'ref_scaled', got extrapolation="
                     f"{extrapolation!r}, coord_mode={coord_mode!r}"
                 )
-            ndim, grid_size = 3, None
-        super().__init__(
-            dim,
-            num_heads,
-            depth,
-            ndim,
-            coord_mode,
-            grid_size,
-            extrapolation,
-            yarn_alpha,
-            yarn_beta,
-            rotate_values=rotate_values,
-        )
+            ndim, options = 3, options.replace(grid_size=None)
+        super().__init__(dim, num_heads, depth, ndim, options=options)
         self.depth_coords = depth_coords
         if depth_coords:
             # the paper's learnable linear layer on the mean-pooled depth, starting at z = depth

@@ -9,7 +9,7 @@ Shared STRING machinery (P folded into the projections, RGB-D positions): :mod:`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,13 +50,12 @@ class StringCayley(StringBase):
         base: base of the axial RoPE frequencies the learned frequencies start from (100, as RoPE-Axial).
         ndim: 2 for images, 3 for (t, y, x) video or (z, y, x) RGB-D positions passed to ``rotate``.
         learn_frequencies: learn theta (the paper learns all angle frequencies) or keep axial RoPE's.
-        coord_mode: grid convention (``index``).
-        grid_size, extrapolation, yarn_alpha, yarn_beta: training grid and extrapolation scaling of the RoPE part.
         depth_coords: RGB-D: on a 2D image grid, rotate by r = (z, y, x) with z a learned linear
             function of each patch's mean depth (:meth:`~StringBase.depth_positions`); the model then takes
             ``depth=`` (B, 1, H, W). Needs ``ndim=2`` (the model's) and ``extrapolation='none'``.
-        rotate_values: rotary value embeddings (RoVE): v_j -> R(r_j) v_j before attention and o_i -> R(r_i)^T o_i
-            after it (:mod:`visionpe.rotary.string_base`); False by default.
+        coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta, rotate_values: the shared rotary options, by
+            keyword (:class:`~visionpe.rotary.base.RotaryOptions`); the extrapolation modes scale the RoPE part,
+            ``rotate_values`` maps v_j -> R(r_j) v_j and o_i -> R(r_i)^T o_i (:mod:`visionpe.rotary.string_base`).
     """
 
     onnx_refusal = "torch.linalg.solve_ex (the Cayley transform) has no ONNX translation; fold_string_ first"
@@ -69,27 +68,10 @@ class StringCayley(StringBase):
         base: float = 100.0,
         ndim: int = 2,
         learn_frequencies: bool = True,
-        coord_mode: str = "index",
-        grid_size: Sequence[int] | None = None,
-        extrapolation: str = "none",
-        yarn_alpha: float = 1.0,
-        yarn_beta: float = 32.0,
         depth_coords: bool = False,
-        rotate_values: bool = False,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            dim,
-            num_heads,
-            depth,
-            ndim,
-            coord_mode,
-            grid_size,
-            extrapolation,
-            yarn_alpha,
-            yarn_beta,
-            depth_coords,
-            rotate_values,
-        )
+        super().__init__(dim, num_heads, depth, ndim, depth_coords, self.rotary_options(options))
         ndim = self.ndim  # 3 with depth_coords: (z, y, x)
         check_base(base)
         check_bool(learn_frequencies, "learn_frequencies")

@@ -14,7 +14,7 @@ Init of c_k is not published [visionpe]: the spectrum of axial RoPE (base 100), 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -89,12 +89,11 @@ class StringCirculant(StringBase):
         dim, num_heads, depth: model shape.
         base: base of the axial spectrum c_k starts from.
         ndim: 2 for images, 3 for (t, y, x) video or (z, y, x) RGB-D positions passed to ``rotate``.
-        coord_mode: grid convention (``index``).
-        grid_size, extrapolation, yarn_alpha, yarn_beta: training grid and extrapolation scaling of phi.
         depth_coords: RGB-D positions (z, y, x) on a 2D image grid, as
             :class:`~visionpe.rotary.string_cayley.StringCayley`.
-        rotate_values: rotary value embeddings (RoVE): v_j -> R(r_j) v_j before attention and o_i -> R(r_i)^T o_i
-            after it (:mod:`visionpe.rotary.string_base`); False by default.
+        coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta, rotate_values: the shared rotary options, by
+            keyword (:class:`~visionpe.rotary.base.RotaryOptions`); the extrapolation modes scale phi,
+            ``rotate_values`` maps v_j -> R(r_j) v_j and o_i -> R(r_i)^T o_i (:mod:`visionpe.rotary.string_base`).
     """
 
     def __init__(
@@ -104,27 +103,10 @@ class StringCirculant(StringBase):
         depth: int = 1,
         base: float = 100.0,
         ndim: int = 2,
-        coord_mode: str = "index",
-        grid_size: Sequence[int] | None = None,
-        extrapolation: str = "none",
-        yarn_alpha: float = 1.0,
-        yarn_beta: float = 32.0,
         depth_coords: bool = False,
-        rotate_values: bool = False,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            dim,
-            num_heads,
-            depth,
-            ndim,
-            coord_mode,
-            grid_size,
-            extrapolation,
-            yarn_alpha,
-            yarn_beta,
-            depth_coords,
-            rotate_values,
-        )
+        super().__init__(dim, num_heads, depth, ndim, depth_coords, self.rotary_options(options))
         ndim = self.ndim  # 3 with depth_coords: (z, y, x)
         check_base(base)
         bins = self.head_dim // 2 - 1  # rotating bins 1..d/2-1; DC and Nyquist are real and stay fixed
