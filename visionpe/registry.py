@@ -21,6 +21,7 @@ __all__ = [
     "registered_schemes",
     "create_pos_embed",
     "get_scheme_class",
+    "scheme_options",
 ]
 
 _SCHEMES: dict[str, type[nn.Module]] = {}
@@ -102,10 +103,28 @@ def create_pos_embed(name: str, *, dim: int, num_heads: int, depth: int = 1, **k
     """
     cls = get_scheme_class(name)
     check_model_shape(dim, num_heads, depth)
-    params = inspect.signature(cls.__init__).parameters
-    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    unknown = [k for k in kwargs if k not in params or k in ("self", "dim", "num_heads", "depth")]
-    if unknown and not accepts_any:
-        valid = [k for k in params if k not in ("self", "dim", "num_heads", "depth")]
-        raise ValueError(f"{name} got unknown option(s) {unknown}; valid options: {valid}")
+    valid = scheme_options(cls)
+    unknown = [k for k in kwargs if k not in valid]
+    if unknown and not _takes_any_keyword(cls):
+        raise ValueError(f"{name} got unknown option(s) {unknown}; valid options: {list(valid)}")
     return cls(dim=dim, num_heads=num_heads, depth=depth, **kwargs)
+
+
+def scheme_options(cls: type[nn.Module]) -> tuple[str, ...]:
+    """The keyword options a scheme class names besides the model's ``dim``, ``num_heads`` and ``depth``: its
+    ``option_names()`` where it declares them (the rotary family: its own options, then the shared
+    :class:`~visionpe.rotary.base.RotaryOptions` it takes), else its constructor's named arguments."""
+    if not isinstance(cls, type):
+        raise TypeError(f"cls must be a scheme class, got {type(cls).__name__}")
+    option_names = getattr(cls, "option_names", None)
+    if callable(option_names):
+        return tuple(option_names())
+    params = inspect.signature(cls.__init__).parameters.values()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(p.name for p in params if p.kind in named and p.name not in ("self", "dim", "num_heads", "depth"))
+
+
+def _takes_any_keyword(cls: type[nn.Module]) -> bool:
+    """Whether the constructor the scheme presents takes any keyword (``**kwargs``): then no option is unknown."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)

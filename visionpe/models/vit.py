@@ -26,7 +26,7 @@ from ..base import AbsolutePositionEncoding, set_coord_augment
 from ..checks import ArgumentTypeError, check_bool, check_choice, check_float, check_int, describe
 from ..contract import EntryPoint, check_built_scheme, check_causal, check_schemes, register_entry_point
 from ..grid import CoordAugment, MixedGrid
-from ..registry import create_pos_embed, get_scheme_class
+from ..registry import create_pos_embed, get_scheme_class, scheme_options
 from .context import build_position_context
 from .naflex import apply_per_grid, build_mixed_position_context, embed_patches, naflex_inputs, pool_valid
 
@@ -364,8 +364,8 @@ def create_model_scheme(model: nn.Module, name: str, options: dict[str, Any]) ->
             f"pos_embed_kwargs[{name!r}]['num_prefix_tokens'] must be the model's prefix-token count "
             f"{model.num_prefix_tokens} (class token and registers), got {given!r}"
         )
-    params = inspect.signature(get_scheme_class(name).__init__).parameters
-    extra = {k: v for k, v in context.items() if k in params and k not in options}
+    takes = scheme_options(get_scheme_class(name))
+    extra = {k: v for k, v in context.items() if k in takes and k not in options}
     depth, num_heads = len(model.blocks), model.blocks[0].attn.num_heads
     return create_pos_embed(name, dim=model.embed_dim, num_heads=num_heads, depth=depth, **extra, **options)
 
