@@ -211,6 +211,15 @@ class RotaryOptions:
         """The option names, in field order."""
         return tuple(f.name for f in fields(cls))
 
+    @classmethod
+    def of(cls, options: RotaryOptions | None) -> RotaryOptions:
+        """``options`` itself, or the defaults for None; TypeError naming ``options`` for anything else."""
+        if options is None:
+            return cls()
+        if not isinstance(options, cls):
+            raise TypeError(f"options must be a RotaryOptions or None, got {type(options).__name__}")
+        return options
+
     def replace(self, **changes: Any) -> RotaryOptions:
         """A copy with ``changes`` (option names) set; TypeError naming an unknown option."""
         unknown = [k for k in changes if k not in self.names()]
@@ -304,15 +313,14 @@ class LinearRotary(RotaryPositionEncoding, Extrapolation):
         """``options``: the shared options (:class:`RotaryOptions`); or, for subclasses written without it, its fields
         as arguments, positionally in field order (``coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta``)
         or by name."""
-        if options is None:
+        if args or kwargs:
+            if options is not None:
+                raise TypeError(
+                    "give the shared options either as options=RotaryOptions(...) or as separate arguments, not "
+                    f"both; got options and {[*map(repr, args), *kwargs]}"
+                )
             options = RotaryOptions(*args, **kwargs)
-        elif not isinstance(options, RotaryOptions):
-            raise TypeError(f"options must be a RotaryOptions, got {type(options).__name__}")
-        elif args or kwargs:
-            raise TypeError(
-                "give the shared options either as options=RotaryOptions(...) or as separate arguments, not both; "
-                f"got options and {[*map(repr, args), *kwargs]}"
-            )
+        options = RotaryOptions.of(options)
         coord_mode, grid_size, rotate_values = options.coord_mode, options.grid_size, options.rotate_values
         extrapolation, yarn_alpha, yarn_beta = options.extrapolation, options.yarn_alpha, options.yarn_beta
         super().__init__()

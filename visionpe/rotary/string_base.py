@@ -142,10 +142,7 @@ class StringBase(LinearRotary):
         """``options``: the shared rotary options (:class:`~visionpe.rotary.base.RotaryOptions`), None for the
         defaults."""
         check_bool(depth_coords, "depth_coords")
-        if options is None:
-            options = RotaryOptions()
-        elif not isinstance(options, RotaryOptions):
-            raise TypeError(f"options must be a RotaryOptions or None, got {type(options).__name__}")
+        options = RotaryOptions.of(options)
         if depth_coords:
             # RGB-D: r = (z, y, x) on a 2D image grid, z from each patch's mean depth
             if ndim != 2:
