@@ -7,6 +7,9 @@ forward and backward; the model test compiles a one-block ViT. ``torch._dynamo.r
 the compile caches of different schemes apart (a shared cache would fall back to eager after 8 entries).
 """
 
+from contextlib import contextmanager
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -90,25 +93,53 @@ def _check_compiled_matches_eager(fn, module, make_input, sizes, recompile: tupl
     return compiled
 
 
+@contextmanager
+def _squaring_counts():
+    """The squaring counts of the eager matrix exponentials (LieRE, ComRoPE) computed inside the block, in a list."""
+    counts, eager_counts = [], expm._eager_squaring_counts
+    with mock.patch.object(expm, "_eager_squaring_counts", lambda n2: counts.append(eager_counts(n2)) or counts[-1]):
+        yield counts
+
+
+def _check_more_squarings_reuse_the_graph(scheme, fn, compiled, make_input, size, counts):
+    """Generators 6 times larger need more squarings than ``counts`` saw: the compiled graph computes the count when
+    it runs, so it is reused (no recompile) and still matches eager, forward and gradients."""
+    before = max(max(c) for c in counts)
+    with torch.no_grad():
+        for param in scheme.parameters():
+            param.mul_(6.0)
+    counts.clear()
+    x = make_input(size)
+    ref, ref_grads = _forward_backward(fn, scheme, x, size)
+    assert max(max(c) for c in counts) > before, f"scaling the generators did not change the count: {before}"
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out, grads = _forward_backward(compiled, scheme, x, size)
+    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(grads, ref_grads, **TOL)
+
+
 @pytest.mark.parametrize("name", FAMILY_REPRESENTATIVES)
 def test_scheme_compiles_and_matches_eager(name):
-    """One scheme per implementation family (tests/conftest.py): what compiles is the family's code."""
+    """One scheme per implementation family (tests/conftest.py): what compiles is the family's code. For LieRE and
+    ComRoPE the graph is then reused with generators that need more squarings."""
     torch.manual_seed(0)
     scheme, fn, make_input = _scheme_call(name)
     dynamic = name not in RECOMPILE_PER_GRID
     sizes = SIZES[:1] if name in ONE_SIZE else SIZES if dynamic else SIZES[:2]
-    compiled = _check_compiled_matches_eager(fn, scheme, make_input, sizes, (True, not dynamic, not dynamic))
-    if name != "none":  # "none" adds nothing, so there is no graph
-        assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled (eager fallback)"
-    # a training step changes the parameters, not the graph (LieRE / ComRoPE: whatever their squaring count,
-    # test_lie_exponentials_follow_the_weights_on_one_graph)
-    perturb_(scheme, scale=0.05, seed=1)
-    x, size = make_input(sizes[-1]), sizes[-1]
-    with torch.compiler.set_stance("fail_on_recompile"):
-        out, grads = _forward_backward(compiled, scheme, x, size)
-    ref, ref_grads = _forward_backward(fn, scheme, x, size)
-    torch.testing.assert_close(out, ref, **TOL)
-    torch.testing.assert_close(grads, ref_grads, **TOL)
+    with _squaring_counts() as counts:
+        compiled = _check_compiled_matches_eager(fn, scheme, make_input, sizes, (True, not dynamic, not dynamic))
+        if name != "none":  # "none" adds nothing, so there is no graph
+            assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled (eager fallback)"
+        # a training step changes the parameters, not the graph
+        perturb_(scheme, scale=0.05, seed=1)
+        x, size = make_input(sizes[-1]), sizes[-1]
+        with torch.compiler.set_stance("fail_on_recompile"):
+            out, grads = _forward_backward(compiled, scheme, x, size)
+        ref, ref_grads = _forward_backward(fn, scheme, x, size)
+        torch.testing.assert_close(out, ref, **TOL)
+        torch.testing.assert_close(grads, ref_grads, **TOL)
+        if name in LIE:
+            _check_more_squarings_reuse_the_graph(scheme, fn, compiled, make_input, size, counts)
 
 
 def test_model_compiles_and_recompiles_for_new_image_sizes():
@@ -165,30 +196,19 @@ def test_multimodal_rotary_compiles_and_matches_eager(scheme, kwargs):
     assert counters["stats"]["unique_graphs"] >= 1
 
 
-@pytest.mark.parametrize("name", LIE)
-def test_lie_exponentials_follow_the_weights_on_one_graph(name, monkeypatch):
+# the LieRE and ComRoPE schemes that are not their family's representative (whose test above does the same)
+@pytest.mark.parametrize("name", [n for n in LIE if n not in FAMILY_REPRESENTATIVES])
+def test_lie_exponentials_follow_the_weights_on_one_graph(name):
     """LieRE's and ComRoPE's squaring count is set by the generators' norms: the compiled graph computes it when it
     runs (every possible squaring, kept where the count asks for it), so weights that change the count reuse the
-    graph and still match eager, forward and gradients. ComRoPE-LD is checked here too: compiled, it takes every
-    token's exponential in one series (no distinct values), a form the family test (ComRoPE-AP) does not run."""
+    graph and still match eager, forward and gradients. ComRoPE-LD is checked here: compiled, it takes every token's
+    exponential in one series (no distinct values), a form the family test (ComRoPE-AP) does not run."""
     torch.manual_seed(0)
     scheme, fn, make_input = _scheme_call(name)
-    counts, eager_counts = [], expm._eager_squaring_counts
-    monkeypatch.setattr(expm, "_eager_squaring_counts", lambda norm2: counts.append(eager_counts(norm2)) or counts[-1])
     size = SIZES[1]
-    compiled = _check_compiled_matches_eager(fn, scheme, make_input, [size], recompile=(True,))
-    before = max(max(c) for c in counts)
-    with torch.no_grad():
-        for param in scheme.parameters():
-            param.mul_(6.0)
-    counts.clear()
-    x = make_input(size)
-    ref, ref_grads = _forward_backward(fn, scheme, x, size)
-    assert max(max(c) for c in counts) > before, f"scaling the generators did not change the count: {before}"
-    with torch.compiler.set_stance("fail_on_recompile"):
-        out, grads = _forward_backward(compiled, scheme, x, size)
-    torch.testing.assert_close(out, ref, **TOL)
-    torch.testing.assert_close(grads, ref_grads, **TOL)
+    with _squaring_counts() as counts:
+        compiled = _check_compiled_matches_eager(fn, scheme, make_input, [size], recompile=(True,))
+        _check_more_squarings_reuse_the_graph(scheme, fn, compiled, make_input, size, counts)
 
 
 @pytest.mark.parametrize("name", visionpe.list_schemes())
