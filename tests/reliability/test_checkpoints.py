@@ -107,10 +107,14 @@ def test_checkpoint_from_a_smaller_image_size_loads_into_a_larger_model(name, tm
 
 
 def test_a_table_that_does_not_fit_is_reported_not_loaded():
-    """A learned table of another width is dropped with its reason, never broadcast into the model."""
+    """A learned table of another width is never broadcast into the model: refused (it fills nothing), or with
+    strict=False dropped with its reason."""
     model = tiny_vit("learned")
     before = model.pos_schemes["learned"].pos_embed.detach().clone()
-    report = visionpe.load_timm_state_dict(model, {"pos_schemes.learned.pos_embed": torch.randn(1, 17, 16)})
+    table = {"pos_schemes.learned.pos_embed": torch.randn(1, 17, 16)}
+    with pytest.raises(ValueError, match=r"fills no tensor.*cannot fill pos_schemes\.learned\.pos_embed"):
+        visionpe.load_timm_state_dict(model, table)
+    report = visionpe.load_timm_state_dict(model, table, strict=False)
     assert report.dropped == [
         "pos_schemes.learned.pos_embed (shape (1, 17, 16) cannot fill pos_schemes.learned.pos_embed (1, 17, 32))"
     ]
