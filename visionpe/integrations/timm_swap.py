@@ -46,7 +46,7 @@ visionpe equivalent (ValueError for ``pos_embed=None``; name the schemes instead
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -87,6 +87,9 @@ __all__ = [
     "EvaPosAttention",
     "RopePosAttention",
     "SUPPORTED_MODELS",
+    "TIMM_FAMILIES",
+    "TimmFamily",
+    "find_timm_family",
 ]
 
 #: :func:`apply_position_scheme` on a timm ViT, Eva or NaFlexVit: one image grid, mixed-resolution batches through
@@ -99,16 +102,6 @@ SWAP_ENTRY = register_entry_point(
         mixed_resolution=True,
         label="`apply_position_scheme`",
     )
-)
-
-#: the timm model classes :func:`apply_position_scheme` converts (and the visionpe classes they become)
-SUPPORTED_MODELS = (
-    "timm.models.vision_transformer.VisionTransformer",
-    "timm.models.eva.Eva",
-    "timm.models.naflexvit.NaFlexVit",
-    "visionpe.models.vit.VisionPEViT",
-    "visionpe.integrations.timm_swap.VisionPEEva",
-    "visionpe.integrations.timm_swap.VisionPENaFlexVit",
 )
 
 
@@ -453,20 +446,6 @@ class _Translation:
     frozen: tuple[str, ...] = ()
 
 
-def _model_family(model: Any) -> str:
-    """``"vit"``, ``"eva"`` or ``"naflex"``; TypeError naming the class and the supported ones otherwise."""
-    if type(model) in (VisionTransformer, VisionPEViT):
-        return "vit"
-    if type(model) in (Eva, VisionPEEva):
-        return "eva"
-    if type(model) in (NaFlexVit, VisionPENaFlexVit):
-        return "naflex"
-    raise TypeError(
-        f"model must be of a class apply_position_scheme supports ({', '.join(SUPPORTED_MODELS)}), "
-        f"got {type(model).__module__}.{type(model).__qualname__}"
-    )
-
-
 def _coord_augment_of(rope: nn.Module) -> CoordAugment | None:
     """timm's training-time shift / jitter / rescale of a rotary module as visionpe's ``dinov3`` augmentation."""
     if not getattr(rope, "aug_active", False):
@@ -598,7 +577,7 @@ def own_position_scheme(model: nn.Module) -> dict[str, dict[str, Any]]:
     kept as they are); a model without a position encoding gives ``{}``. TypeError for an unsupported model class,
     ValueError for an encoding with no exact visionpe equivalent (e.g. timm's ``rope_grid_offset`` != 0).
     """
-    _model_family(model)
+    find_timm_family(model)
     return {
         name: dict(item.options) if isinstance(item, _Translation) else {}
         for name, item in _own_translations(model).items()
@@ -608,49 +587,48 @@ def own_position_scheme(model: nn.Module) -> dict[str, dict[str, Any]]:
 # -- the swap ---------------------------------------------------------------------------------------------------
 
 
-def _check_blocks(model: nn.Module, family: str) -> None:
-    """TypeError naming a block or attention class the swap does not handle (before anything changes)."""
-    for i, blk in enumerate(model.blocks):
-        if family in ("vit", "naflex"):
-            ok = type(blk) in (Block, PosBlock) and type(blk.attn) in (Attention, PosAttention)
-            expected = "timm's Block with Attention"
-            if family == "naflex" and not ok:
-                expected += " (a NaFlexVit with attn_type='standard' and no rope_type)"
-        else:
-            ok = type(blk) in (EvaBlock, EvaBlockPostNorm) and type(blk.attn) in (
-                *_POS_ATTENTION,
-                *_POS_ATTENTION.values(),
-            )
-            expected = "timm's EvaBlock or EvaBlockPostNorm with EvaAttention or AttentionRope"
-        if not ok:
-            raise TypeError(
-                f"block {i} is {type(blk).__name__} with {type(blk.attn).__name__}; apply_position_scheme handles "
-                f"{expected}"
-            )
-
-
-def _build_scheme(
-    name: str, options: dict[str, Any], model: nn.Module, family: str, reference: torch.Tensor
-) -> nn.Module:
+def _build_scheme(name: str, options: dict[str, Any], model: nn.Module, family: TimmFamily) -> nn.Module:
     """One scheme for the model's shape, on its device and floating dtype; ValueError for one it cannot run."""
     scheme = create_model_scheme(model, name, options)
-    if family == "eva" and scheme.insert_after:
-        raise ValueError(
-            f"{name!r} runs after blocks {scheme.insert_after}, between blocks, which timm's Eva forward has no place "
-            "for; use it with a VisionTransformer (VisionPEViT)"
-        )
-    if family == "eva" and scheme.extra_inputs:
-        raise ValueError(f"{name!r} needs {scheme.extra_inputs} from the model, which timm's Eva forward does not pass")
+    family.check_scheme(name, scheme)
     dropout = getattr(model.patch_drop, "prob", 0.0) if model.patch_drop is not None else 0.0
     if dropout > 0 and scheme.insert_after:
         raise ValueError(
             f"patch dropout (rate {dropout}) needs every patch on the grid after the embedding, but {name!r} runs "
             f"after blocks {scheme.insert_after}"
         )
+    reference = next(iter(model.parameters()))
     scheme.to(device=reference.device)
     if reference.is_floating_point() and reference.dtype != torch.float32:
         scheme.to(dtype=reference.dtype)
     return scheme.train(model.training)
+
+
+def _scheme_from(
+    name: str,
+    user_options: dict[str, Any],
+    source: _Translation | nn.Module | None,
+    model: nn.Module,
+    family: TimmFamily,
+) -> tuple[nn.Module, list[str]]:
+    """The scheme ``name`` for the model, starting from what the model has of it (``source``: its own encoding
+    translated, or a visionpe scheme of an earlier swap, kept as it is when no option is given), and the position
+    keys that took the model's values."""
+    if isinstance(source, nn.Module) and not user_options:
+        return source, []
+    translated = source.options if isinstance(source, _Translation) else {}
+    scheme = _build_scheme(name, {**translated, **user_options}, model, family)
+    values = source.state if isinstance(source, _Translation) else source.state_dict() if source else {}
+    target = scheme.state_dict()
+    matched = {k: v for k, v in values.items() if k in target and target[k].shape == v.shape}
+    if matched:
+        scheme.load_state_dict(matched, strict=False)
+    if isinstance(source, _Translation):
+        if source.coord_augment is not None:
+            scheme.coord_augment = source.coord_augment
+        for pname in source.frozen:
+            scheme.get_parameter(pname).requires_grad_(False)
+    return scheme, [f"pos_schemes.{name}.{k}" for k in matched]
 
 
 def _relabel_half_pairs(attn: nn.Module, prefix: str) -> list[str]:
@@ -729,8 +707,8 @@ def apply_position_scheme(
         >>> sorted(model.pos_schemes)
         ['alibi2d', 'rope_axial']
     """
-    family = _model_family(model)
-    _check_blocks(model, family)
+    family = find_timm_family(model)
+    family.check_blocks(model)
     own = _own_translations(model, strict=pos_embed is None)
     if pos_embed is None:
         if not own:
@@ -740,67 +718,154 @@ def apply_position_scheme(
             )
         pos_embed = list(own)
     schemes = normalize_schemes(pos_embed, pos_embed_kwargs, SWAP_ENTRY)
-    reference = next(iter(model.parameters()))
-
-    new_schemes, copied = nn.ModuleDict(), []
-    for name, user_options in schemes.items():
-        source = own.get(name)
-        if isinstance(source, nn.Module) and not user_options:  # a visionpe scheme the model has: kept as it is
-            new_schemes[name] = source
-            continue
-        translated = source.options if isinstance(source, _Translation) else {}
-        scheme = _build_scheme(name, {**translated, **user_options}, model, family, reference)
-        values = source.state if isinstance(source, _Translation) else source.state_dict() if source else {}
-        target = scheme.state_dict()
-        matched = {k: v for k, v in values.items() if k in target and target[k].shape == v.shape}
-        if matched:
-            scheme.load_state_dict(matched, strict=False)
-            copied += [f"pos_schemes.{name}.{k}" for k in matched]
-        if isinstance(source, _Translation):
-            if source.coord_augment is not None:
-                scheme.coord_augment = source.coord_augment
-            for pname in source.frozen:
-                scheme.get_parameter(pname).requires_grad_(False)
-        new_schemes[name] = scheme
-
+    built = {name: _scheme_from(name, options, own.get(name), model, family) for name, options in schemes.items()}
     # everything is checked and built: change the model
     before = set(model.state_dict())
-    permuted = []
-    if family == "eva":
-        half = model.rope is not None and any(getattr(b.attn, "rotate_half", False) for b in model.blocks)
-        for i, blk in enumerate(model.blocks):
-            if half:
-                permuted += _relabel_half_pairs(blk.attn, f"blocks.{i}.attn.")
-            cls = type(blk.attn)
-            blk.attn.__class__ = _POS_ATTENTION.get(cls, cls)
-            blk.attn.layer, blk.attn.rotate_half = i, False
-        model.pos_embed, model.rope, model.rope_mixed = None, None, False
-        model.__class__ = VisionPEEva
-    elif family == "naflex":
-        for i, blk in enumerate(model.blocks):
-            blk.__class__, blk.attn.__class__ = PosBlock, PosAttention
-            blk.attn.layer = i
-        embeds = model.embeds
-        embeds.pos_embed = embeds.pos_embed_x = embeds.pos_embed_y = None
-        embeds.pos_embed_type = "none"
-        if not isinstance(model, VisionPENaFlexVit):  # the embeddings' dropout runs after the absolute schemes
-            model.pos_drop, embeds.pos_drop = embeds.pos_drop, nn.Identity()
-        model.__class__ = VisionPENaFlexVit
-    else:
-        for i, blk in enumerate(model.blocks):
-            blk.__class__, blk.attn.__class__ = PosBlock, PosAttention
-            blk.attn.layer = i
-        model.pos_embed = None
-        drop = model.patch_drop
-        if isinstance(drop, PatchDropout) and drop.prob > 0:  # the kept indices gather rotations and biases
-            model.patch_drop = PatchDropoutWithIndices(drop.prob, drop.num_prefix_tokens, drop.ordered)
-        model.__class__ = VisionPEViT
-    model.pos_schemes = new_schemes
-    model.pos_embed_names = list(new_schemes)
-    after = set(model.state_dict())
+    permuted = family.install(model)
+    model.pos_schemes = nn.ModuleDict({name: scheme for name, (scheme, _) in built.items()})
+    model.pos_embed_names = list(built)
+    after, copied = set(model.state_dict()), [key for _, keys in built.values() for key in keys]
     return SwapReport(
         added=sorted(after - before - set(copied)),
         dropped=sorted(before - after),
         copied=sorted(copied),
         permuted=permuted,
+    )
+
+
+# -- the supported model families ------------------------------------------------------------------------------
+
+
+def _install_vit(model: nn.Module) -> list[str]:
+    """A VisionTransformer becomes a VisionPEViT: timm's blocks run the schemes, its table is removed."""
+    for i, blk in enumerate(model.blocks):
+        blk.__class__, blk.attn.__class__ = PosBlock, PosAttention
+        blk.attn.layer = i
+    model.pos_embed = None
+    drop = model.patch_drop
+    if isinstance(drop, PatchDropout) and drop.prob > 0:  # the kept indices gather rotations and biases
+        model.patch_drop = PatchDropoutWithIndices(drop.prob, drop.num_prefix_tokens, drop.ordered)
+    model.__class__ = VisionPEViT
+    return []
+
+
+def _install_eva(model: nn.Module) -> list[str]:
+    """An Eva becomes a VisionPEEva: its attention runs the schemes (q/k channels relabelled from the half rotary
+    layout), its table and rotary module are removed."""
+    permuted = []
+    half = model.rope is not None and any(getattr(b.attn, "rotate_half", False) for b in model.blocks)
+    for i, blk in enumerate(model.blocks):
+        if half:
+            permuted += _relabel_half_pairs(blk.attn, f"blocks.{i}.attn.")
+        cls = type(blk.attn)
+        blk.attn.__class__ = _POS_ATTENTION.get(cls, cls)
+        blk.attn.layer, blk.attn.rotate_half = i, False
+    model.pos_embed, model.rope, model.rope_mixed = None, None, False
+    model.__class__ = VisionPEEva
+    return permuted
+
+
+def _install_naflex(model: nn.Module) -> list[str]:
+    """A NaFlexVit becomes a VisionPENaFlexVit: timm's blocks run the schemes, its embeddings' tables are removed."""
+    for i, blk in enumerate(model.blocks):
+        blk.__class__, blk.attn.__class__ = PosBlock, PosAttention
+        blk.attn.layer = i
+    embeds = model.embeds
+    embeds.pos_embed = embeds.pos_embed_x = embeds.pos_embed_y = None
+    embeds.pos_embed_type = "none"
+    if not isinstance(model, VisionPENaFlexVit):  # the embeddings' dropout runs after the absolute schemes
+        model.pos_drop, embeds.pos_drop = embeds.pos_drop, nn.Identity()
+    model.__class__ = VisionPENaFlexVit
+    return []
+
+
+@dataclass(frozen=True)
+class TimmFamily:
+    """One kind of timm ViT that :func:`apply_position_scheme` converts: one row of :data:`TIMM_FAMILIES`.
+
+    Attributes:
+        name: ``"vit"``, ``"eva"`` or ``"naflex"``.
+        model: timm's class; ``converted``: the visionpe class it becomes (a converted model is converted again).
+        blocks, attentions: the block and attention classes the conversion handles (each block is checked before
+            anything changes); ``expected``: how an error names them.
+        between_blocks: the converted forward runs schemes applied between blocks and passes extra inputs.
+        install: changes a checked model's blocks, own encoding and class; returns the q/k keys it relabelled.
+    """
+
+    name: str
+    model: type[nn.Module]
+    converted: type[nn.Module]
+    blocks: tuple[type[nn.Module], ...]
+    attentions: tuple[type[nn.Module], ...]
+    expected: str
+    between_blocks: bool
+    install: Callable[[nn.Module], list[str]]
+
+    def check_blocks(self, model: nn.Module) -> None:
+        """TypeError naming a block or attention class the conversion does not handle."""
+        for i, blk in enumerate(model.blocks):
+            if type(blk) not in self.blocks or type(blk.attn) not in self.attentions:
+                raise TypeError(
+                    f"block {i} is {type(blk).__name__} with {type(blk.attn).__name__}; apply_position_scheme handles "
+                    f"{self.expected}"
+                )
+
+    def check_scheme(self, name: str, scheme: nn.Module) -> None:
+        """ValueError for a scheme the converted forward has no place for."""
+        if self.between_blocks:
+            return
+        if scheme.insert_after:
+            raise ValueError(
+                f"{name!r} runs after blocks {scheme.insert_after}, between blocks, which timm's "
+                f"{self.model.__name__} forward has no place for; use it with a VisionTransformer (VisionPEViT)"
+            )
+        if scheme.extra_inputs:
+            raise ValueError(
+                f"{name!r} needs {scheme.extra_inputs} from the model, which timm's {self.model.__name__} forward "
+                "does not pass"
+            )
+
+
+_STANDARD = ((Block, PosBlock), (Attention, PosAttention))
+
+#: the timm ViTs :func:`apply_position_scheme` converts, one row a family
+TIMM_FAMILIES = (
+    TimmFamily("vit", VisionTransformer, VisionPEViT, *_STANDARD, "timm's Block with Attention", True, _install_vit),
+    TimmFamily(
+        "eva",
+        Eva,
+        VisionPEEva,
+        (EvaBlock, EvaBlockPostNorm),
+        (*_POS_ATTENTION, *_POS_ATTENTION.values()),
+        "timm's EvaBlock or EvaBlockPostNorm with EvaAttention or AttentionRope",
+        False,
+        _install_eva,
+    ),
+    TimmFamily(
+        "naflex",
+        NaFlexVit,
+        VisionPENaFlexVit,
+        *_STANDARD,
+        "timm's Block with Attention (a NaFlexVit with attn_type='standard' and no rope_type)",
+        True,
+        _install_naflex,
+    ),
+)
+
+#: the timm model classes :func:`apply_position_scheme` converts (and the visionpe classes they become)
+SUPPORTED_MODELS = tuple(
+    f"{cls.__module__}.{cls.__qualname__}"
+    for cls in (*(f.model for f in TIMM_FAMILIES), *(f.converted for f in TIMM_FAMILIES))
+)
+
+
+def find_timm_family(model: Any) -> TimmFamily:
+    """The row of :data:`TIMM_FAMILIES` of ``model`` (its exact class); TypeError naming the class and the supported
+    ones otherwise."""
+    for family in TIMM_FAMILIES:
+        if type(model) in (family.model, family.converted):
+            return family
+    raise TypeError(
+        f"model must be of a class apply_position_scheme supports ({', '.join(SUPPORTED_MODELS)}), "
+        f"got {type(model).__module__}.{type(model).__qualname__}"
     )
