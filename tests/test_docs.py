@@ -222,23 +222,30 @@ def test_schemes_page_has_a_section_per_vision_scheme():
     assert not missing, f"docs/schemes.md has no section for {missing}"
 
 
-def test_readme_scheme_table_lists_every_scheme_with_its_kind():
-    rows = _table("README.md", ("name", "kind"))
+def test_schemes_page_table_lists_every_scheme_with_its_kind():
+    rows = _table("docs/schemes.md", ("name", "kind"))
     listed = {name: row[1] for row in rows for name in _names(row[0])}
     kinds = _kinds()
     other_kind = sorted(n for n in set(kinds) & set(listed) if listed[n] != kinds[n])
     assert listed == kinds, (
-        f"README.md's scheme table: missing {sorted(set(kinds) - set(listed))}, not registered "
+        f"docs/schemes.md's table at a glance: missing {sorted(set(kinds) - set(listed))}, not registered "
         f"{sorted(set(listed) - set(kinds))}, another kind than registered {other_kind}"
     )
+
+
+def test_readme_summary_names_every_scheme_and_design_by_kind():
+    # one row per kind: a new scheme lengthens a row, never the README
+    listed = {row[0]: sorted(_names(row[2])) for row in _table("README.md", ("kind", "enters the model"))}
+    registered = {kind: sorted(n for n, k in _kinds().items() if k == kind) for kind in set(_kinds().values())}
+    registered["multimodal design"] = sorted(_library_designs())
+    assert listed == registered, f"README.md's scheme summary {listed} differs from the registries {registered}"
 
 
 @pytest.mark.parametrize(
     "path, header",
     [
-        ("README.md", ("multimodal design",)),
         ("docs/multimodal.md", ("scheme", "design")),
-        ("docs/schemes.md", ("scheme", "paper")),
+        ("docs/schemes.md", ("scheme", "paper", "good for")),
     ],
 )
 def test_multimodal_tables_list_every_registered_design(path, header):
