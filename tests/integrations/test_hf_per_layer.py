@@ -14,7 +14,7 @@ from visionpe.multimodal import (
 from . import test_hf as hf
 
 transformers = pytest.importorskip("transformers")
-from visionpe.integrations.hf import apply_position_scheme, layers, remove_position_scheme  # noqa: E402
+from visionpe.integrations.hf import apply_position_scheme, layers, qwen, remove_position_scheme  # noqa: E402
 
 # 4 x 4 and 3 x 5 merged images (two rings each) in sample 0, a 6 x 6 one (three rings) in sample 1
 RINGS = [[(1, (1, 8, 8)), (1, (1, 6, 10))], [(1, (1, 12, 12))]]
@@ -237,8 +237,9 @@ def test_remove_reapply_and_deepcopy():
     assert torch.equal(logits(clone, inputs), pype)
     apply_position_scheme(patched, "cca")  # replaces the per-layer forwards
     assert torch.equal(logits(patched, inputs), logits(apply_position_scheme(copy.deepcopy(model), "cca"), inputs))
-    apply_position_scheme(patched, "v2pe")  # a scheme without a plan removes it
-    assert "forward" not in vars(patched.model) and "forward" not in vars(patched.model.language_model.layers[0])
+    apply_position_scheme(patched, "v2pe")  # a scheme without a plan removes it (the model keeps the adapter's forward)
+    assert "visionpe_plan" not in vars(patched.model) and "forward" not in vars(patched.model.language_model.layers[0])
+    assert vars(patched.model)["forward"].__func__ is qwen._forward
     apply_position_scheme(patched, "pype", interval=1)
     remove_position_scheme(patched)
     for module in (patched.model, patched.model.language_model.rotary_emb, *patched.model.language_model.layers):

@@ -41,6 +41,8 @@ from .layers import uninstall as uninstall_layer_plan
 
 __all__ = [
     "ROTARY_OPTIONS",
+    "COLLATED_INPUTS",
+    "LAYER_INPUTS",
     "Adapter",
     "Prepared",
     "PatchState",
@@ -60,7 +62,12 @@ __all__ = [
 ]
 
 ROTARY_OPTIONS = ("mrope_section",)  # options of the allocation, not of the position design
+# what a collator (visionpe.integrations.hf.collate) adds to a batch beside position_ids: the patched forwards pop
+# them (transformers would hand unknown keywords on to the vision tower and the attention) and use them as given
+LAYER_INPUTS = ("layer_position_ids", "layer_rope_deltas", "layer_attention_mask")
+COLLATED_INPUTS = ("rope_deltas", *LAYER_INPUTS, "cu_seqlens", "max_seqlen")
 _STATE = "_visionpe_state"  # attribute of the inner model that holds its PatchState
+_PLAN_BELOW = "visionpe_forward_before"  # attribute where a layer plan keeps the forward its own forward calls
 _INTERLEAVED = "interleaved"  # the allocation whose section is laid out pair by pair (see scaled_section)
 _SECTION_LAYOUTS = ("chunked", _INTERLEAVED)  # the layouts a model's own mrope_section can have
 
@@ -167,11 +174,6 @@ def _install(
     model: nn.Module, vl_model: nn.Module, family: VLMFamily, prepared: Prepared, methods: dict[str, Callable]
 ) -> None:
     state = prepared.state
-    for obj, name in family.methods(model, vl_model):
-        current = obj.__dict__.get(name)
-        state.originals[name] = None if getattr(current, "visionpe_patch", False) else current
-        setattr(obj, name, types.MethodType(methods[name], obj))
-    vl_model.__dict__[_STATE] = state
     if prepared.rotary is not None:
         language = family.language(vl_model)
         original = getattr(language, family.rotary)
@@ -180,10 +182,25 @@ def _install(
             for attention in family.attentions(vl_model):
                 apply = _per_head_apply(type(attention).__module__, family.rotary_function)
                 patch_rotary_function(attention, family.rotary_function, apply)
+    if prepared.plan is not None:
+        # after the rotary (the plan wraps the one in place) and before the methods: installing a plan clears every
+        # earlier per-instance forward it finds, the adapter's own included
+        install_layer_plan(vl_model, prepared.plan)
+    plan_forward = installed_plan(vl_model) is not None
+    for obj, name in family.methods(model, vl_model):
+        method = types.MethodType(methods[name], obj)
+        if plan_forward and obj is vl_model and name == "forward":
+            # the plan's forward of the inner model runs first and calls the forward it found: the adapter's goes
+            # there, in front of what was there before (an accelerate hook, or the class's)
+            state.originals[name] = obj.__dict__.get(_PLAN_BELOW)
+            obj.__dict__[_PLAN_BELOW] = method
+            continue
+        current = obj.__dict__.get(name)
+        state.originals[name] = None if getattr(current, "visionpe_patch", False) else current
+        setattr(obj, name, method)
+    vl_model.__dict__[_STATE] = state
     if family.deltas is not None:
         setattr(vl_model, family.deltas, None)
-    if prepared.plan is not None:
-        install_layer_plan(vl_model, prepared.plan)
     model.visionpe_scheme = state.scheme
     vl_model.visionpe_scheme = state.scheme
 
@@ -194,14 +211,15 @@ def remove_scheme(model: nn.Module, adapter: str) -> nn.Module:
     vl_model, family = find_family(model, adapter)
     state = vl_model.__dict__.pop(_STATE, None)
     originals = state.originals if state is not None else {}
+    if installed_plan(vl_model) is not None:
+        # first: the plan's forward wraps the adapter's own forward of the inner model, which it puts back
+        uninstall_layer_plan(vl_model)
     for obj, name in family.methods(model, vl_model):
         if not getattr(obj.__dict__.get(name), "visionpe_patch", False):
             continue
         del obj.__dict__[name]
         if originals.get(name) is not None:
             setattr(obj, name, originals[name])
-    if installed_plan(vl_model) is not None:
-        uninstall_layer_plan(vl_model)
     for attention in family.attentions(vl_model):
         unpatch_rotary_function(attention)
     language = family.language(vl_model)

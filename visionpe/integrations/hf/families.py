@@ -139,6 +139,8 @@ _GENERATION_IDS = (True, "_prepare_position_ids_for_generation", ("inputs_tensor
 # forward reaches the ids through compute_3d_position_ids and generate through the outer model's
 # _prepare_position_ids_for_generation; both call get_rope_index(input_ids, mm_token_type_ids, ...)
 _QWEN_PATCHED = (
+    # forward takes what a collator adds beside position_ids (rope_deltas, per-layer ids and masks) and pops it
+    (False, "forward", ("input_ids", "attention_mask", "position_ids", "cache", "inputs_embeds")),
     (False, "get_rope_index", _LAYOUT),
     (False, "compute_3d_position_ids", ("input_ids", "inputs_embeds", *_LAYOUT[1:])),
     _GENERATION_IDS,

@@ -56,13 +56,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...checks import check_tensor
+from ...checks import check_instance, check_int, check_tensor
 from ...multimodal.cca import additive_mask, visual_block_mask
 from ...multimodal.design import parse_layout
 from ...multimodal.ids import get_position_ids
 from ...multimodal.registry import MultimodalScheme
 from ...multimodal.rotary import MultimodalRotary
 from .adapter import (
+    COLLATED_INPUTS,
     Adapter,
     PatchState,
     Prepared,
@@ -83,6 +84,7 @@ __all__ = [
     "remove_position_scheme",
     "SUPPORTED_MODELS",
     "OWN_SCHEME",
+    "check_scheme_options",
     "find_model",
     "outer_name",
 ]
@@ -121,11 +123,11 @@ class _Adapter(PatchState):
         entry: MultimodalScheme,
         options: dict[str, Any],
         family: VLMFamily,
-        vl_model: nn.Module,
+        config: Any,
         multi_row: bool,
     ) -> None:
         super().__init__(entry, options, family)
-        config = vl_model.config
+        self.config = config  # the inner model's: the layout of its placeholder runs is read from it
         self.multi_row = multi_row
         # bipe: ids after which the position advances (else None: every token)
         self.separators = None if entry.advance_tokens is None else entry.advance_tokens(self.options)
@@ -168,13 +170,13 @@ class _Adapter(PatchState):
         return given.long()
 
     def layout(
-        self, vl_model: nn.Module, types_: torch.Tensor, inputs: dict[str, Any]
+        self, types_: torch.Tensor, inputs: dict[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Token types (newline tokens relabelled as text) and the (G, 3) image and video grids, merged."""
         if self.family.visual_layout == _ANYRES:
-            return _onevision_layout(vl_model, self.family, types_, inputs)
+            return _onevision_layout(self.config, self.family, types_, inputs)
         tiles = self.family.visual_layout == _TILES  # InternVL: a run is one image of tiles, else whole images
-        config = vl_model.config
+        config = self.config
         vision = config.vision_config
         size = _pair(vision.image_size, "vision_config.image_size")
         patch = _pair(vision.patch_size, "vision_config.patch_size")
@@ -210,7 +212,6 @@ class _Adapter(PatchState):
 
     def _inputs(
         self,
-        vl_model: nn.Module,
         input_ids: torch.Tensor | None,
         given_types: torch.Tensor | None,
         mask: torch.Tensor,
@@ -219,7 +220,7 @@ class _Adapter(PatchState):
         """Token types, image and video grids and design options of one batch."""
         types_ = self.token_types(input_ids, given_types, inputs, mask.shape).to(mask.device)
         types_ = types_ * (mask != 0).long()  # a padding token is never visual
-        types_, image_grid, video_grid = self.layout(vl_model, types_, inputs)
+        types_, image_grid, video_grid = self.layout(types_, inputs)
         options = dict(self.options)
         if self.takes_input_ids and input_ids is not None:
             options["input_ids"] = input_ids
@@ -227,14 +228,13 @@ class _Adapter(PatchState):
 
     def position_ids(
         self,
-        vl_model: nn.Module,
         input_ids: torch.Tensor | None,
         given_types: torch.Tensor | None,
         mask: torch.Tensor,
         inputs: dict[str, Any],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The scheme's ids, (B, L) for one-row schemes or (3, B, L), and the decoding deltas (B, 1)."""
-        types_, image_grid, video_grid, options = self._inputs(vl_model, input_ids, given_types, mask, inputs)
+        types_, image_grid, video_grid, options = self._inputs(input_ids, given_types, mask, inputs)
         pos, deltas = get_position_ids(
             self.scheme,
             types_,
@@ -248,21 +248,19 @@ class _Adapter(PatchState):
         )
         return (pos if self.multi_row else pos[0]), deltas
 
-    def block_attention_mask(
+    def block_visibility(
         self,
-        vl_model: nn.Module,
         input_ids: torch.Tensor | None,
         given_types: torch.Tensor | None,
         mask: torch.Tensor,
         inputs: dict[str, Any],
-        dtype: torch.dtype,
     ) -> torch.Tensor:
-        """(B, 1, L, L) additive mask of a block-mask design (CCA): causal, and inside each visual block key k
+        """(B, L, L) bool visibility of a block-mask design (CCA): causal, and inside each visual block key k
         visible to query q iff k's offset in the block is at most q's."""
-        types_, image_grid, video_grid, options = self._inputs(vl_model, input_ids, given_types, mask, inputs)
+        types_, image_grid, video_grid, options = self._inputs(input_ids, given_types, mask, inputs)
         layout = parse_layout(types_, image_grid, video_grid, mask, 1)
         design = self.entry.run_design(layout, options)
-        return additive_mask(visual_block_mask(layout, design.local[0]), dtype)
+        return visual_block_mask(layout, design.local[0])
 
     # ------------------------------------------------------------------------------------------------- ids
     def text_advance(self, tokens: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | float:
@@ -292,6 +290,36 @@ class _Adapter(PatchState):
             )
         return position_ids
 
+    def checked_deltas(self, deltas: Any, batch: int) -> torch.Tensor:
+        """A collator's ``rope_deltas`` for a batch of ``batch`` prompts: a (B, 1) real tensor."""
+        check_tensor(deltas, "rope_deltas", dtype="real", expected="a (B, 1) tensor of decoding deltas")
+        if tuple(deltas.shape) != (batch, 1):
+            raise ValueError(f"rope_deltas must be (B, 1) = ({batch}, 1), got {tuple(deltas.shape)}")
+        return deltas
+
+    def given_block_mask(self, visible: Any, mask: torch.Tensor, past: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive (B, 1, L, L) mask from a collator's ``layer_attention_mask`` (1, B, L, L) bool (True:
+        visible), for the prompt of a block-mask design."""
+        if not self.block_mask:
+            raise ValueError(
+                f"layer_attention_mask is the mask inside visual blocks of a block-mask design; the model runs "
+                f"{self.scheme!r}, which has none"
+            )
+        batch, length = mask.shape[0], mask.shape[-1]
+        expected = (1, batch, length, length)
+        if not isinstance(visible, torch.Tensor) or visible.dtype != torch.bool:
+            raise TypeError(
+                f"layer_attention_mask must be a {expected} bool tensor (True: visible), got "
+                f"{getattr(visible, 'dtype', type(visible).__name__)}"
+            )
+        if past or mask.ndim != 2 or tuple(visible.shape) != expected:
+            raise ValueError(
+                f"layer_attention_mask must be {expected} (one mask, B, L, L) with the (B, L) attention_mask of an "
+                f"uncached call, got {tuple(visible.shape)} with attention_mask {tuple(mask.shape)} and {past} "
+                "cached tokens"
+            )
+        return additive_mask(visible[0].to(mask.device), dtype)
+
     def continued_ids(self, mask: torch.Tensor, length: int) -> torch.Tensor:
         """Ids of ``length`` new tokens after a cached prefix, from the last prefill's deltas (forward without ids)."""
         if self.separators is not None:
@@ -301,8 +329,18 @@ class _Adapter(PatchState):
             )
         valid = mask.long().cumsum(-1)[:, -length:] - 1
         deltas = self.rope_deltas
-        if deltas is not None and deltas.shape[0] == mask.shape[0]:
-            valid = valid + deltas.to(valid.device)
+        if deltas is None:
+            raise ValueError(
+                f"a forward over a KV cache without position_ids continues the ids from the prompt's decoding deltas, "
+                f"and the prompt of visionpe scheme {self.scheme!r} came with position_ids but no rope_deltas: pass "
+                "the collator's rope_deltas with its position_ids, or position_ids with every cached call"
+            )
+        if mask.shape[0] % deltas.shape[0]:
+            raise ValueError(
+                f"the cached call has batch size {mask.shape[0]}, but the prompt's rope_deltas are for "
+                f"{deltas.shape[0]} samples: a KV cache continues the batch whose prompt filled it"
+            )
+        valid = valid + deltas.repeat_interleave(mask.shape[0] // deltas.shape[0], 0).to(valid.device)
         ids = valid.masked_fill(mask[:, -length:] == 0, 0)
         return ids.unsqueeze(0).expand(3, -1, -1) if self.multi_row else ids
 
@@ -332,10 +370,9 @@ class _Adapter(PatchState):
 
 
 def _onevision_layout(
-    vl_model: nn.Module, family: VLMFamily, types_: torch.Tensor, inputs: dict[str, Any]
+    config: Any, family: VLMFamily, types_: torch.Tensor, inputs: dict[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """LLaVA-OneVision's image and video blocks (see the module docstring); its newline tokens become text."""
-    config = vl_model.config
     vision = config.vision_config
     side = int(vision.image_size) // int(vision.patch_size)
     modeling = importlib.import_module(family.module)
@@ -433,6 +470,8 @@ def _forward(self, *args: Any, **kwargs: Any) -> Any:
         return own(*args, **kwargs)  # transformers raises its own error
     given = bind_arguments(own, args, kwargs)
     types_ = given.pop("mm_token_type_ids", None)
+    collated = {name: given.pop(name) for name in COLLATED_INPUTS if name in given}
+    _refuse_collated(state, collated)
     if "past_key_values" in given and "cache" not in given:
         given["cache"] = given.pop("past_key_values")
     _check_attention(self, state.family)
@@ -449,6 +488,12 @@ def _forward(self, *args: Any, **kwargs: Any) -> Any:
         mask = torch.ones(batch, past + length, dtype=torch.long, device=source.device)
         given["attention_mask"] = mask
     position_ids = given.get("position_ids")
+    deltas = collated.get("rope_deltas")
+    if deltas is not None and (position_ids is None or past):
+        raise ValueError(
+            "rope_deltas come with the position_ids of a whole prompt (an uncached call), as the collator gives them; "
+            f"got them {'without position_ids' if position_ids is None else f'after {past} cached tokens'}"
+        )
     if position_ids is None:
         if mask.ndim != 2:
             raise ValueError(
@@ -456,18 +501,40 @@ def _forward(self, *args: Any, **kwargs: Any) -> Any:
                 f"(or pass position_ids), got shape {tuple(mask.shape)}"
             )
         if past == 0:
-            position_ids, state.rope_deltas = state.position_ids(self, input_ids, types_, mask, given)
+            position_ids, state.rope_deltas = state.position_ids(input_ids, types_, mask, given)
         else:
             position_ids = state.continued_ids(mask, length)
     else:
         position_ids = state.checked_ids(position_ids, batch, length)
+        if past == 0:  # this prompt's deltas (the collator's), never an earlier call's; None: unknown
+            state.rope_deltas = None if deltas is None else state.checked_deltas(deltas, batch)
     given["position_ids"] = position_ids.to(source.device)
-    if state.block_mask and past == 0 and mask.ndim == 2:
+    visible = collated.get("layer_attention_mask")
+    if visible is not None:
+        given["attention_mask"] = state.given_block_mask(visible, mask, past, self.get_input_embeddings().weight.dtype)
+    elif state.block_mask and past == 0 and mask.ndim == 2:
         # at prefill the mask changes inside the visual blocks (transformers passes a 4-D mask through untouched);
         # decoded tokens use the plain causal mask
         dtype = self.get_input_embeddings().weight.dtype
-        given["attention_mask"] = state.block_attention_mask(self, input_ids, types_, mask, given, dtype)
+        visible = state.block_visibility(input_ids, types_, mask, given)
+        given["attention_mask"] = additive_mask(visible, dtype)
     return own(**given)
+
+
+def _refuse_collated(state: _Adapter, collated: dict[str, Any]) -> None:
+    """ValueError for what a collator gives other families: per-layer ids and a packed row's boundaries."""
+    refused = [name for name in ("layer_position_ids", "layer_rope_deltas") if collated.get(name) is not None]
+    if refused:
+        raise ValueError(
+            f"{', '.join(refused)} are per-layer ids, which the 1-D RoPE adapter does not run (one set of position "
+            f"ids for every layer); the model runs {state.scheme!r}"
+        )
+    packed = [name for name in ("cu_seqlens", "max_seqlen") if collated.get(name) is not None]
+    if packed:
+        raise ValueError(
+            f"{', '.join(packed)} describe a packed row, which the 1-D RoPE adapter does not run: it always passes "
+            "a 2-D attention mask, which turns off transformers' packed-sequence masking; use padded batches"
+        )
 
 
 def _prepare_position_ids_for_generation(self, inputs_tensor: torch.Tensor, model_kwargs: dict[str, Any]):
@@ -492,7 +559,7 @@ def _prepare_position_ids_for_generation(self, inputs_tensor: torch.Tensor, mode
             f"generate with visionpe scheme {state.scheme!r} needs left padding: sample {b} of attention_mask ends "
             "with padding (set tokenizer.padding_side = 'left')"
         )
-    pos, deltas = state.position_ids(self.model, input_ids, model_kwargs.get("mm_token_type_ids"), mask, model_kwargs)
+    pos, deltas = state.position_ids(input_ids, model_kwargs.get("mm_token_type_ids"), mask, model_kwargs)
     state.check_generation_start(pos, deltas, mask, input_ids)
     return pos
 
@@ -537,8 +604,17 @@ for _function in _PATCHES.values():
 
 
 def _validate(entry: MultimodalScheme, options: dict[str, Any], vl_model: nn.Module, family: VLMFamily) -> None:
-    """What the 1-D RoPE adapter refuses: per-call inputs, ids per decoder layer, K > 1 positions per token and
-    FlashAttention."""
+    """What the 1-D RoPE adapter refuses (:func:`check_scheme_options`) and FlashAttention."""
+    check_scheme_options(entry, options, int(vl_model.config.text_config.num_hidden_layers))
+    _check_attention(vl_model, family)
+
+
+def check_scheme_options(entry: MultimodalScheme, options: dict[str, Any], num_layers: int) -> None:
+    """ValueError for what the 1-D RoPE adapter (and its collator) refuse: per-call inputs, ids per decoder layer
+    (over ``num_layers`` layers) and K > 1 positions per token."""
+    check_instance(entry, "entry", MultimodalScheme, expected="a MultimodalScheme registry entry")
+    check_instance(options, "options", dict, expected="a dict of design options")
+    check_int(num_layers, "num_layers", min=1)
     per_call = [name for name in options if name in entry.call_inputs]
     if per_call:
         raise ValueError(
@@ -546,7 +622,6 @@ def _validate(entry: MultimodalScheme, options: dict[str, Any], vl_model: nn.Mod
             "clusters, weights or second_per_grid_ts (these models give no timing or token clusters)"
         )
     if entry.layer_of is not None:
-        num_layers = int(vl_model.config.text_config.num_hidden_layers)
         try:
             per_layer = any(entry.layer_of(layer, options) != 0 for layer in range(num_layers))
         except ValueError:  # options that cannot place the layers (PyPE without its interval)
@@ -561,7 +636,6 @@ def _validate(entry: MultimodalScheme, options: dict[str, Any], vl_model: nn.Mod
             f"{entry.representatives_option} must be 1 in the 1-D RoPE adapter (K > 1 needs PPERotary's 3K rows), "
             f"got {entry.representatives(options)!r}"
         )
-    _check_attention(vl_model, family)
 
 
 def _prepare(
@@ -595,7 +669,7 @@ def _prepare(
             attention_scaling=float(getattr(own_rotary(vl_model, family), "attention_scaling", 1.0)),
             **rotary_kwargs,
         )
-    return Prepared(_Adapter(entry, options, family, vl_model, multi_row), rotary)
+    return Prepared(_Adapter(entry, options, family, vl_model.config, multi_row), rotary)
 
 
 _ADAPTER = Adapter(ADAPTER, _validate, _prepare, _PATCHES)

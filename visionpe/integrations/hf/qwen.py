@@ -37,11 +37,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...checks import check_instance, check_tensor
+from ...multimodal.cca import visual_block_mask
+from ...multimodal.design import assemble_positions, parse_layout
 from ...multimodal.ids import get_position_ids
 from ...multimodal.ppe_rotary import PPERotary
 from ...multimodal.registry import MultimodalScheme
 from ...multimodal.rotary import MultimodalRotary, RopeScaling
 from .adapter import (
+    COLLATED_INPUTS,
+    LAYER_INPUTS,
     Adapter,
     PatchState,
     Prepared,
@@ -54,10 +59,18 @@ from .adapter import (
     state_of,
 )
 from .families import VLMFamily, find_model, models_of
-from .layers import LayerPlan, check_attention_implementation, split_video_frames
+from .layers import LayerPlan, _Call, check_attention_implementation, split_video_frames
 from .layers import installed_plan as _installed_layer_plan
 
-__all__ = ["apply_position_scheme", "remove_position_scheme", "SUPPORTED_MODELS", "find_model"]
+__all__ = [
+    "apply_position_scheme",
+    "remove_position_scheme",
+    "SUPPORTED_MODELS",
+    "find_model",
+    "check_scheme_options",
+    "scheme_position_ids",
+    "layer_position_tensors",
+]
 
 ADAPTER = "qwen"
 # class name of the inner model -> transformers module that defines it (the families this adapter runs)
@@ -105,17 +118,48 @@ def _get_rope_index(
     """Per-instance ``get_rope_index`` of a patched model: the scheme's ids and decoding deltas from the token types
     and the grids (``input_ids`` are not read); ``clusters`` and ``weights`` for designs that take them (PPE)."""
     state = state_of(self)
-    if mm_token_type_ids is None:
-        raise ValueError(f"visionpe scheme {state.scheme!r} needs mm_token_type_ids (0 text, 1 image, 2 video)")
-    given = {name: value for name, value in (("clusters", clusters), ("weights", weights)) if value is not None}
+    given = {"clusters": clusters, "weights": weights, _TIME: second_per_grid_ts}
+    return scheme_position_ids(state, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask, given)
+
+
+def _call_options(state: _QwenState, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The design options of one call: the model's, PPE's per-batch ``clusters`` / ``weights`` and the video timing."""
+    given = {name: inputs.get(name) for name in _BATCH_INPUTS if inputs.get(name) is not None}
     if not set(given) <= set(state.entry.call_inputs):
         raise ValueError(f"{', '.join(given)} are PPE's per-batch inputs; the model runs {state.scheme!r}")
+    options = dict(state.options) | given
+    if state.takes_time and inputs.get(_TIME) is not None:
+        options[_TIME] = inputs[_TIME]
+    return options
+
+
+def scheme_position_ids(
+    state: _QwenState,
+    mm_token_type_ids: torch.Tensor | None,
+    image_grid_thw: torch.Tensor | None,
+    video_grid_thw: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    inputs: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids and decoding deltas that the patched ``get_rope_index`` gives for one batch (the collator's too).
+
+    Args:
+        state: the patched model's state (or a collator's, built alike).
+        mm_token_type_ids: (B, L) 0 text, 1 image, 2 video.
+        image_grid_thw, video_grid_thw: the processor's grids (videos unsplit: Qwen3-VL's frames are split here).
+        attention_mask: (B, L) or None.
+        inputs: the call's other inputs, of which PPE's ``clusters`` / ``weights`` and ``second_per_grid_ts`` are
+            read.
+
+    Returns:
+        (R, B, L) ids and (B, 1) deltas, transformers 5.x conventions (pads 0, deltas against the valid length).
+    """
+    if mm_token_type_ids is None:
+        raise ValueError(f"visionpe scheme {state.scheme!r} needs mm_token_type_ids (0 text, 1 image, 2 video)")
+    options = _call_options(state, inputs or {})
     if state.family.split_videos and video_grid_thw is not None:
         # Qwen3-VL frames are separate T = 1 blocks with timestamp text between them.
         video_grid_thw = split_video_frames(video_grid_thw)
-    options = dict(state.options) | given
-    if state.takes_time and second_per_grid_ts is not None:
-        options[_TIME] = second_per_grid_ts
     return get_position_ids(
         state.scheme,
         mm_token_type_ids,
@@ -127,6 +171,47 @@ def _get_rope_index(
         delta_convention="valid",
         **options,
     )
+
+
+def layer_position_tensors(
+    state: _QwenState,
+    plan: LayerPlan,
+    mm_token_type_ids: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    video_grid_thw: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    inputs: dict[str, Any] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Everything a patched model with a per-layer plan (PyPE, Circle-RoPE's AGE, CCA) takes for one padded batch.
+
+    One design run per distinct layer variant (``plan.variants``, in that order; V of them):
+    ``position_ids`` (R, B, L) and ``rope_deltas`` (B, 1) of layer 0's variant, what ``get_rope_index`` gives;
+    with several variants ``layer_position_ids`` (V, R, B, L) and ``layer_rope_deltas`` (V, B, 1); for a block-mask
+    design ``layer_attention_mask`` (V, B, L, L), True where key k is visible to query q (causal, and inside each
+    visual block by level).
+    """
+    if mm_token_type_ids is None:
+        raise ValueError(f"visionpe scheme {state.scheme!r} needs mm_token_type_ids (0 text, 1 image, 2 video)")
+    options = _call_options(state, inputs or {})
+    if state.family.split_videos and video_grid_thw is not None:
+        video_grid_thw = split_video_frames(video_grid_thw)
+    layout = parse_layout(mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask, state.spatial_merge_size)
+    ids, deltas, allowed = [], [], []
+    for variant in plan.variants:
+        design = state.entry.run_design(layout, {**options, "layer": variant} if state.entry.layer_of else options)
+        pos, delta = assemble_positions(layout, design, pad_value=0, delta_convention="valid")
+        ids.append(pos)
+        deltas.append(delta)
+        if plan.block_mask:
+            allowed.append(visual_block_mask(layout, design.local[0]))
+    base = plan.variants.index(plan.base)
+    out = {"position_ids": ids[base], "rope_deltas": deltas[base]}
+    if len(plan.variants) > 1:
+        out["layer_position_ids"] = torch.stack(ids)
+        out["layer_rope_deltas"] = torch.stack(deltas)
+    if plan.block_mask:
+        out["layer_attention_mask"] = torch.stack(allowed)
+    return out
 
 
 def _compute_3d_position_ids(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -194,7 +279,123 @@ def _prepare_position_ids_for_generation(self, inputs_tensor: torch.Tensor, mode
     return own(inputs_tensor, model_kwargs)
 
 
+class _CollatedLayerPlan(LayerPlan):
+    """The per-layer plan of a patched Qwen-VL model, which takes a collator's per-layer tensors as given.
+
+    With ``layer_position_ids`` / ``layer_attention_mask`` in the call (:func:`layer_position_tensors`, built in the
+    data loader) no design runs in the forward: the offsets of each variant are read from the stacked ids, the masks
+    are the given ones, and the decoding deltas of each variant come from ``layer_rope_deltas``. Without them the
+    plan builds everything itself (:meth:`LayerPlan.prepare`).
+    """
+
+    def prepare(self, model: nn.Module, given: dict[str, Any]) -> _Call | None:
+        layer_ids, layer_deltas = given.get("layer_position_ids"), given.get("layer_rope_deltas")
+        allowed = given.get("layer_attention_mask")
+        if layer_ids is None and layer_deltas is None and allowed is None:
+            return super().prepare(model, given)
+        if self.block_mask:
+            check_attention_implementation(model.language_model.config, self.scheme)
+        cache = given.get("cache", given.get("past_key_values"))
+        if cache is not None and cache.get_seq_length():
+            raise ValueError(
+                f"layer_position_ids, layer_rope_deltas and layer_attention_mask describe a whole prompt; the call "
+                f"has {cache.get_seq_length()} cached tokens (decoding steps take neither: the model continues the "
+                "ids from the prompt's layer_rope_deltas)"
+            )
+        position_ids = given.get("position_ids")
+        if position_ids is None:
+            raise ValueError(
+                f"visionpe scheme {self.scheme!r} got per-layer inputs without position_ids: pass the collator's "
+                "position_ids (layer 0's ids) with them"
+            )
+        batch, length = position_ids.shape[-2:]
+        count = len(self.variants)
+        several = count > 1
+        if several != (layer_ids is not None) or several != (layer_deltas is not None):
+            raise ValueError(
+                f"visionpe scheme {self.scheme!r} with these options gives the decoder layers {count} sets of ids: "
+                f"it takes layer_position_ids and layer_rope_deltas {'with' if several else 'without'} them, got "
+                f"layer_position_ids {_shape(layer_ids)} and layer_rope_deltas {_shape(layer_deltas)}"
+            )
+        if self.block_mask != (allowed is not None):
+            raise ValueError(
+                f"visionpe scheme {self.scheme!r} {'needs' if self.block_mask else 'takes no'} layer_attention_mask "
+                f"(its mask inside visual blocks), got {_shape(allowed)}"
+            )
+        offsets, masks = {}, {}
+        if several:
+            expected = (count, *position_ids.shape)
+            check_tensor(layer_ids, "layer_position_ids", dtype="real", expected=f"a {expected} tensor")
+            check_tensor(layer_deltas, "layer_rope_deltas", dtype="real", expected=f"a ({count}, {batch}, 1) tensor")
+            if tuple(layer_ids.shape) != expected or tuple(layer_deltas.shape) != (count, batch, 1):
+                raise ValueError(
+                    f"layer_position_ids must be {expected} (one set of ids per layer variant {self.variants}) and "
+                    f"layer_rope_deltas ({count}, {batch}, 1), got {tuple(layer_ids.shape)} and "
+                    f"{tuple(layer_deltas.shape)}"
+                )
+            base = self.variants.index(self.base)
+            offsets = {v: layer_ids[i] - layer_ids[base] for i, v in enumerate(self.variants) if v != self.base}
+            self.deltas = {v: layer_deltas[i] - layer_deltas[base] for i, v in enumerate(self.variants) if i != base}
+        else:
+            self.deltas = None
+        if allowed is not None:
+            expected = (count, batch, length, length)
+            if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:
+                raise TypeError(
+                    f"layer_attention_mask must be a {expected} bool tensor (True: visible), got "
+                    f"{getattr(allowed, 'dtype', type(allowed).__name__)}"
+                )
+            if tuple(allowed.shape) != expected:
+                raise ValueError(f"layer_attention_mask must be {expected} (V, B, L, L), got {tuple(allowed.shape)}")
+            masks = {v: allowed[i] for i, v in enumerate(self.variants)}
+        self.alias = {}
+        return _Call(offsets, masks, {})
+
+
+def _shape(value: Any) -> str:
+    return "None" if value is None else str(tuple(value.shape)) if isinstance(value, torch.Tensor) else repr(value)
+
+
+def _forward(self, *args: Any, **kwargs: Any) -> Any:
+    """Per-instance ``forward`` of a patched inner model: takes what a collator adds beside ``position_ids``.
+
+    ``rope_deltas`` (B, 1) become the model's decoding deltas (a later cached forward continues from this batch's,
+    never an earlier batch's); the per-layer inputs were read by the layer plan (:class:`_CollatedLayerPlan`), which
+    runs before this forward; ``cu_seqlens`` / ``max_seqlen`` of a packed row are dropped, since transformers finds
+    the samples from ``position_ids[0]``. All are popped: transformers would pass unknown keywords on to the vision
+    tower (which reads a ``cu_seqlens`` of its own) and the attention.
+    """
+    state = state_of(self)
+    own = own_method(self, "forward", state)
+    collated = {name: kwargs.pop(name) for name in COLLATED_INPUTS if name in kwargs}
+    if state is None:  # removed through a path that left this attribute
+        return own(*args, **kwargs)
+    layer_inputs = [name for name in LAYER_INPUTS if collated.get(name) is not None]
+    if layer_inputs and _installed_layer_plan(self) is None:
+        raise ValueError(
+            f"{', '.join(layer_inputs)} are for schemes with per-layer ids or a mask inside visual blocks; the model "
+            f"runs {state.scheme!r}, which has neither: build the batch with a collator of this model"
+        )
+    given = bind_arguments(own, args, kwargs)
+    packed = [name for name in ("cu_seqlens", "max_seqlen") if collated.get(name) is not None]
+    if packed and given.get("position_ids") is None:
+        raise ValueError(
+            f"{', '.join(packed)} describe a packed row, whose samples transformers finds from position_ids[0]: pass "
+            "the collator's (4, 1, L) position_ids with them"
+        )
+    deltas = collated.get("rope_deltas")
+    if deltas is not None:
+        check_tensor(deltas, "rope_deltas", dtype="real", expected="a (B, 1) tensor of decoding deltas")
+        source = given.get("input_ids") if given.get("input_ids") is not None else given.get("inputs_embeds")
+        batch = None if source is None else source.shape[0]
+        if deltas.ndim != 2 or deltas.shape[1] != 1 or (batch is not None and deltas.shape[0] != batch):
+            raise ValueError(f"rope_deltas must be (B, 1) with B = {batch}, got {tuple(deltas.shape)}")
+        self.rope_deltas = deltas
+    return own(*args, **kwargs)
+
+
 _METHODS = {
+    "forward": _forward,
     "get_rope_index": _get_rope_index,
     "compute_3d_position_ids": _compute_3d_position_ids,
     "_prepare_position_ids_for_generation": _prepare_position_ids_for_generation,
@@ -204,7 +405,18 @@ for _function in _METHODS.values():
 
 
 def _validate(entry: MultimodalScheme, options: dict[str, Any], vl_model: nn.Module, family: VLMFamily) -> None:
-    """The options the Qwen-VL adapter refuses: per-call inputs, ``layer`` and missing required options."""
+    """The options the Qwen-VL adapter refuses (:func:`check_scheme_options`) and, for a block-mask design, an
+    attention implementation that cannot take its mask."""
+    check_scheme_options(entry, options)
+    if entry.block_mask:
+        check_attention_implementation(family.language(vl_model).config, entry.name)
+
+
+def check_scheme_options(entry: MultimodalScheme, options: dict[str, Any]) -> None:
+    """ValueError for design options the Qwen-VL adapter (and its collator) refuse: per-call inputs, ``layer`` and
+    missing required options."""
+    check_instance(entry, "entry", MultimodalScheme, expected="a MultimodalScheme registry entry")
+    check_instance(options, "options", dict, expected="a dict of design options")
     per_call = [name for name in entry.call_inputs if name in options and name in (_TIME, *_BATCH_INPUTS)]
     if _TIME in per_call:
         raise ValueError(f"{_TIME} is a per-call input: pass it to forward() / generate(), not here")
@@ -218,8 +430,6 @@ def _validate(entry: MultimodalScheme, options: dict[str, Any], vl_model: nn.Mod
     missing = [name for name in entry.required_options if options.get(name) is None]
     if missing:
         raise ValueError(f"apply_position_scheme({entry.name!r}) needs {', '.join(missing)}=: it has no default")
-    if entry.block_mask:
-        check_attention_implementation(family.language(vl_model).config, entry.name)
 
 
 def _prepare(
@@ -246,7 +456,7 @@ def _prepare(
     check_design_options(entry.name, options, spatial_merge_size)
     state = _QwenState(entry, options, family, spatial_merge_size)
     try:  # per-layer ids (PyPE, AGE) and intra-block masks (CCA, PyPE)
-        plan = LayerPlan(
+        plan = _CollatedLayerPlan(
             entry,
             options,
             int(text_config.num_hidden_layers),
