@@ -13,8 +13,10 @@ adapter of the model's family by its class:
 live and which of its methods the adapters replace (per instance: transformers' modules are never patched).
 
 
-Beside the language model's positions: :mod:`visionpe.integrations.hf.packing` packs Qwen-VL samples into one row
-for varlen training (:class:`QwenVLPackingCollator`), and :mod:`visionpe.integrations.hf.vision_tower` swaps or
+Beside the language model's positions: :mod:`visionpe.integrations.hf.collate` builds the positions of every family
+and design in the data loader's workers (:class:`VLMPositionCollator`; the patched model takes them as given),
+:mod:`visionpe.integrations.hf.packing` packs Qwen-VL samples into one row for varlen training
+(:class:`QwenVLPackingCollator`), and :mod:`visionpe.integrations.hf.vision_tower` swaps or
 scales the 2D RoPE of the Qwen-VL vision encoders (:func:`apply_vision_rope`).
 
 Needs the ``vlm`` extra (from a clone: ``pip install -e ".[vlm]"``, transformers); importing this package without it
@@ -36,6 +38,7 @@ except ImportError as err:
 from torch import nn
 
 from . import llava, qwen
+from .collate import VLMPositionCollator
 from .families import FAMILIES, find_model, models_of, outer_name
 from .packing import QwenVLPackingCollator, check_packable, pack_qwen_vl_features
 from .vision_tower import (
@@ -53,6 +56,7 @@ __all__ = [
     "QWEN_MODELS",
     "ROPE_1D_MODELS",
     "QwenVLPackingCollator",
+    "VLMPositionCollator",
     "check_packable",
     "pack_qwen_vl_features",
     "VisionTowerRotary",
