@@ -34,6 +34,8 @@ def test_quick_run_writes_both_tables(monkeypatch, capsys, tmp_path):
     assert sorted(p.name for p in out_dir.iterdir()) == [
         "multimodal_ids.csv",
         "multimodal_ids.md",
+        "multimodal_ids_collator.csv",
+        "multimodal_ids_collator.md",
         "multimodal_ids_designs.csv",
         "multimodal_ids_designs.md",
     ]
@@ -61,6 +63,32 @@ def test_quick_run_writes_both_tables(monkeypatch, capsys, tmp_path):
     assert "interval=2" in options["pype"] and "clusters" in options["ppe"] and "input_ids" in options["bipe"]
     assert "tile_grid" in options["rope_dhr"]
     assert (out_dir / "multimodal_ids_designs.md").read_text().startswith("Measured ")
+
+    collated = _table(out_dir / "multimodal_ids_collator.csv")  # per batch, a plain and a per-layer, masked design
+    assert collated[0] == bench.COLLATOR_COLUMNS
+    assert [row[:2] for row in collated[1:]] == [
+        [batch, scheme] for batch in ("fixed", "mixed-0", "mixed-1") for scheme in bench.COLLATOR_DESIGNS
+    ]
+    for row in collated[1:]:
+        loader, forward, ratio = (float(value) for value in row[2:5])
+        assert loader > 0 and forward > 0 and ratio == pytest.approx(loader / forward, rel=0.05, abs=0.01)
+    assert "DataLoader worker" in (out_dir / "multimodal_ids_collator.md").read_text()
+
+
+def test_collator_disagreement_stops_before_timing(monkeypatch):
+    bench = load_script("bench/multimodal_ids.py")
+    batch = bench.make_mixed_batch(4, seed=0, side=(16, 20), text=(8, 16))
+    real = bench.VLMPositionCollator.__call__
+
+    def shifted(self, features):
+        out = real(self, features)
+        if not isinstance(features, dict):  # the samples' batch, not the padded one
+            out["position_ids"] = out["position_ids"] + 1
+        return out
+
+    monkeypatch.setattr(bench.VLMPositionCollator, "__call__", shifted)
+    with pytest.raises(SystemExit, match="collator's ids of sample 0"):
+        bench.compare_collator("mrope", batch, rounds=1, calls=1)
 
 
 def test_mixed_batches_mix_images_and_padding_sides():
