@@ -103,8 +103,124 @@ def check_rotate_input(scheme: nn.Module, x: torch.Tensor, coords: torch.Tensor,
     return coords.to(x.device)
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 shard)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _distribute_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``value`` (the full tensor, the same on every process) as a DTensor with ``like``'s mesh and placements."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value.to(like.device), like.device_mesh, like.placements)
+
+
 class PositionEncoding(nn.Module):
-    """Common interface. Subclasses set ``kind`` and ``ndims`` (the grid ranks they support)."""
+    """Common interface. Subclasses set ``kind`` and ``ndims`` (the grid ranks they support).
+
+    Fixed tables (rotary frequencies, slopes, masks, index tables) are buffers that a scheme computes from its
+    configuration, named with their values by :meth:`fixed_buffers`. They are non-persistent (no state-dict entries)
+    unless they are state a checkpoint must keep (a seeded draw, a flag). The base class rebuilds them:
+
+    - after every move (``.to()``, ``.cuda()``, ``.to_empty()``): the non-persistent ones are recomputed on the new
+      device, so a scheme built on the meta device and materialised with ``to_empty`` holds the right tables, and a
+      blanket ``model.to(torch.bfloat16)`` leaves them in the dtype they were computed in (fp32; RayRoPE's float64):
+      a cast to a wider dtype (``model.double()``) casts the computed values;
+    - in :meth:`init_non_persistent_buffers` (timm's hook, called by ``timm.models.reinit_non_persistent_buffers``);
+    - in :meth:`reset_parameters`, the hook meta-device initialisation calls (Lightning's ``ModelParallelStrategy``
+      and ``FSDPStrategy``, timm's ``init_weights``), with the persistent ones back to their initial values and the
+      parameters drawn afresh as the constructor draws them.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> PositionEncoding:
+        self = super().__new__(cls)
+        # the constructor's arguments, from which reset_parameters draws the parameters afresh (set before
+        # nn.Module.__init__, hence object.__setattr__)
+        object.__setattr__(self, "_init_arguments", (args, dict(kwargs)))
+        return self
+
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        """The scheme's fixed tables by buffer name, computed from its configuration on the CPU in the dtype the
+        scheme keeps them in (fp32 for angles and frequencies), persistent ones at their initial values.
+
+        Every buffer the scheme registers itself must be named here (the meta-device test of every scheme checks it):
+        it is the one place :meth:`reset_parameters`, :meth:`init_non_persistent_buffers` and moves rebuild them
+        from. Empty by default (a scheme without buffers)."""
+        return {}
+
+    def _computed_buffers(self) -> dict[str, torch.Tensor]:
+        with torch.device("cpu"):  # not the meta device of a `with torch.device("meta")` block around a move
+            values = self.fixed_buffers()
+        unknown = sorted(set(values) - set(self._buffers))
+        if unknown:
+            raise RuntimeError(
+                f"{type(self).__name__}.fixed_buffers() names {unknown}, which are not buffers the scheme registered "
+                f"(its buffers: {sorted(self._buffers)})"
+            )
+        return values
+
+    def _set_fixed_buffers(self, persistent: bool) -> None:
+        """Put the values of :meth:`fixed_buffers` in place, on each buffer's device; ``persistent`` False: only the
+        non-persistent ones."""
+        for name, value in self._computed_buffers().items():
+            current = self._buffers[name]
+            if name not in self._non_persistent_buffers_set:
+                if persistent and current is not None:
+                    with torch.no_grad():
+                        current.copy_(value.to(current.dtype))  # state: keeps its tensor, dtype and device
+                continue
+            dtype = value.dtype
+            if current is not None and value.is_floating_point() and current.is_floating_point():
+                if torch.finfo(current.dtype).bits > torch.finfo(dtype).bits:
+                    dtype = current.dtype  # model.double(): the computed values, cast
+            device = value.device if current is None else current.device
+            self._buffers[name] = value.to(device=device, dtype=dtype)
+
+    def init_non_persistent_buffers(self) -> None:
+        """Recompute the non-persistent fixed tables (:meth:`fixed_buffers`) in place, in the dtype they are computed
+        in, on the device they are on: timm's hook (``timm.models.reinit_non_persistent_buffers``)."""
+        self._set_fixed_buffers(persistent=False)
+
+    def reset_parameters(self) -> None:
+        """Initialise the scheme afresh after ``to_empty`` (meta-device initialisation): fixed tables recomputed,
+        persistent buffers back to their initial values, and the parameters (the scheme's submodules' included)
+        drawn as the constructor draws them, from the global CPU generator, by building the scheme again on the CPU
+        with the constructor's arguments and copying its parameters. Sharded (DTensor) parameters receive their shard
+        of the fresh values (every process must call it, in the same order).
+
+        Raises:
+            RuntimeError: a parameter's shape differs from the one the constructor gives (it was changed since
+                construction, e.g. a learned table resampled by ``set_grid_size``): load a state dict instead.
+        """
+        params = dict(self.named_parameters())
+        if params:
+            args, kwargs = self._init_arguments
+            with torch.device("cpu"):
+                fresh = dict(type(self)(*args, **kwargs).named_parameters())
+            for name, param in params.items():
+                value = fresh.get(name)
+                if value is None or value.shape != param.shape:
+                    given = None if value is None else tuple(value.shape)
+                    raise RuntimeError(
+                        f"{type(self).__name__}.reset_parameters: parameter {name!r} has shape {tuple(param.shape)}, "
+                        f"but the constructor's arguments give {given}: it changed after construction, so load its "
+                        "values from a state dict instead"
+                    )
+                value = value.detach().to(dtype=param.dtype)
+                if _is_dtensor(param):
+                    value = _distribute_like(value, param)
+                with torch.no_grad():
+                    param.copy_(value.to(param.device))
+        self._set_fixed_buffers(persistent=True)
+
+    def _apply(self, fn, *args, **kwargs):
+        module = super()._apply(fn, *args, **kwargs)
+        self._set_fixed_buffers(persistent=False)  # see the class docstring
+        return module
 
     kind: ClassVar[str] = ""
     ndims: ClassVar[tuple[int, ...]] = (2,)

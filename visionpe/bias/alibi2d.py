@@ -95,7 +95,11 @@ class Alibi2D(GlobalSlope, BiasPositionEncoding):
         super().__init__()
         check_model_shape(dim, num_heads, depth)
         self.global_slope = global_slope  # checked by the setter
+        self.num_heads = num_heads
         self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)
+
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        return {"slopes": alibi_slopes(self.num_heads)}
 
     def prepare(
         self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None

@@ -48,15 +48,24 @@ class BAM(DistanceKernelBias):
         super().__init__(dim, num_heads, depth, distance)
         check_positive(shape_init, "shape_init")
         self.beta = nn.Parameter(self.kernel_parameter(float(shape_init)))
-        # s_h and mu_h are parameters when learned, else fixed buffers (in the state dict under the same names)
-        for name, value, learn in (
-            ("scale", self.kernel_parameter(alibi_slopes(num_heads)), check_bool(learn_scale, "learn_scale")),
-            ("loc", self.kernel_parameter(0.0), check_bool(learn_loc, "learn_loc")),
+        self.num_heads = num_heads
+        # s_h and mu_h are parameters when learned, else fixed buffers, persistent: in the state dict under the same
+        # names, so that a checkpoint loads whether they were learned or not
+        initial = self._initial_values()
+        for name, learn in (
+            ("scale", check_bool(learn_scale, "learn_scale")),
+            ("loc", check_bool(learn_loc, "learn_loc")),
         ):
             if learn:
-                setattr(self, name, nn.Parameter(value))
+                setattr(self, name, nn.Parameter(initial[name]))
             else:
-                self.register_buffer(name, value)
+                self.register_buffer(name, initial[name])
+
+    def _initial_values(self) -> dict[str, torch.Tensor]:
+        return {"scale": self.kernel_parameter(alibi_slopes(self.num_heads)), "loc": self.kernel_parameter(0.0)}
+
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        return {name: value for name, value in self._initial_values().items() if name in self._buffers}
 
     def kernel(self, distances: torch.Tensor, layer: int) -> torch.Tensor:
         scale = self.layer_parameter(self.scale, layer, distances.dtype)

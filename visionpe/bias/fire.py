@@ -126,6 +126,11 @@ class FIRE(BiasPositionEncoding):
         self.fc2_weight = nn.Parameter(torch.empty(depth, groups, num_heads, width).uniform_(-bound2, bound2))
         self.fc2_bias = nn.Parameter(torch.empty(depth, groups, num_heads).uniform_(-bound2, bound2))
 
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        # persistent: L0 of the training grid is state a checkpoint keeps (the model evaluated at another grid
+        # normalises with the distances it was trained with)
+        return {"base_threshold": self._largest_distances(self.grid_size) / 4}
+
     def _largest_distances(self, grid_size: tuple[int, int]) -> torch.Tensor:
         """fp32 (A,): the largest distance between two patches of ``grid_size`` (per axis for ``"axis"``)."""
         height, width = grid_size[0] - 1, grid_size[1] - 1

@@ -208,9 +208,14 @@ class LookHere(GlobalSlope, BiasPositionEncoding):
         if not isinstance(layer_slopes, (tuple, list)) or len(layer_slopes) != 2:
             raise ValueError(f"layer_slopes must be a (first, last) pair, got {layer_slopes!r}")
         first, last = (check_positive(s, f"layer_slopes[{i}]") for i, s in enumerate(layer_slopes))
+        self._slopes, self._layer_slope_range, self._depth = tuple(slopes), (first, last), depth
         self.register_buffer("head_slopes", torch.tensor(slopes), persistent=False)
         self.register_buffer("layer_slopes", torch.linspace(first, last, depth), persistent=False)
         self.fov = {"180": 180.0, "90": 90.0, "45": 45.0}[variant]
+
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        first, last = self._layer_slope_range
+        return {"head_slopes": torch.tensor(self._slopes), "layer_slopes": torch.linspace(first, last, self._depth)}
 
     def prepare(
         self, grid_size: tuple[int, ...], num_prefix_tokens: int, device=None

@@ -305,12 +305,19 @@ class PaPERI(_ParabolicBias):
         seed: int = 0,
     ) -> None:
         super().__init__(dim, num_heads, depth, ndim, prefix, pad_multiple)
-        check_int(seed, "seed", min=0)
-        generator = torch.Generator().manual_seed(seed)
-        bound = ndim**-0.5
-        scales = (2 * torch.rand(depth, num_heads, generator=generator) - 1) * bound
-        self.register_buffer("scales", scales)
+        self.seed = check_int(seed, "seed", min=0)
+        self.register_buffer("scales", self._scales())
         self.curvature = nn.Parameter(torch.empty(depth, num_heads, dim).uniform_(-(dim**-0.5), dim**-0.5))
+
+    def _scales(self) -> torch.Tensor:
+        """(depth, num_heads) fixed scales drawn once from a generator seeded by ``seed``."""
+        generator = torch.Generator().manual_seed(self.seed)
+        bound = self.ndim**-0.5
+        return (2 * torch.rand(self.depth, self.num_heads, generator=generator) - 1) * bound
+
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        # persistent: the drawn scales are state a checkpoint keeps, whatever a later torch's generator draws
+        return {"scales": self._scales()}
 
     @property
     def extra_channels(self) -> int:

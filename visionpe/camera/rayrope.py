@@ -214,13 +214,20 @@ class RayRoPE(RelativeCameraEncoding):
                     head.bias.copy_(init)
         else:
             self.depth_heads = None
-        # (F, coord_dim) frequencies, float64: pair f * coord_dim + i turns with coordinate i at frequency f
+        self.register_buffer("freqs", self._frequencies(), persistent=False)
+
+    def _frequencies(self) -> torch.Tensor:
+        """(F, coord_dim) frequencies, float64: pair f * coord_dim + i turns with coordinate i at frequency f."""
         periods = torch.tensor(
-            [MAX_PERIOD_CENTER] * 3 + [MAX_PERIOD_DIRECTION] * (2 * num_rays) + [MAX_PERIOD_DEPTH] * num_rays,
+            [MAX_PERIOD_CENTER] * 3 + [MAX_PERIOD_DIRECTION] * (2 * self.num_rays) + [MAX_PERIOD_DEPTH] * self.num_rays,
             dtype=torch.float64,
         )
         ratios = self.freq_base ** torch.arange(self.num_freqs, dtype=torch.float64)
-        self.register_buffer("freqs", (2 * math.pi / periods)[None, :] * ratios[:, None], persistent=False)
+        return (2 * math.pi / periods)[None, :] * ratios[:, None]
+
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        # float64 (kept under model.to(bfloat16)): camera coordinates reach large values
+        return {"freqs": self._frequencies()}
 
     @property
     def extra_inputs(self) -> tuple[str, ...]:

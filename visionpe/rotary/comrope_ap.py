@@ -79,8 +79,15 @@ class ComRoPEAP(ComRoPEBase):
                 f"block_size must leave head_dim // block_size >= ndim blocks (one per axis), got block_size="
                 f"{self.block_size} with head_dim={self.head_dim}, ndim={ndim}"
             )
-        axis = torch.arange(self.num_blocks) % ndim
-        self.register_buffer("axis_mask", (axis.unsqueeze(1) == torch.arange(ndim)).float(), persistent=False)
+        self.register_buffer("axis_mask", self._axis_mask(), persistent=False)
+
+    def _axis_mask(self) -> torch.Tensor:
+        """(num_blocks, ndim) 0/1: block j belongs to axis j mod ndim."""
+        axis = torch.arange(self.num_blocks) % self.ndim
+        return (axis.unsqueeze(1) == torch.arange(self.ndim)).float()
+
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        return {"axis_mask": self._axis_mask()}
 
     def generators(self, layer: int) -> torch.Tensor:
         # (h, m, 1, b, b) * (m, ndim, 1, 1): block j only on axis j mod ndim

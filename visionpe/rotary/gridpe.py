@@ -136,6 +136,10 @@ class GridPE(LinearRotary):
             )
         self.register_buffer("directions", simplex_directions(self.num_modules, ndim, self.seed))
 
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        # persistent: the drawn directions are state a checkpoint keeps, whatever a later torch's generator draws
+        return {"directions": simplex_directions(self.num_modules, self.ndim, self.seed)}
+
     def magnitudes(self) -> torch.Tensor:
         """(num_modules,) omega_k = omega0 * ratio^-k, float64."""
         k = torch.arange(self.num_modules, dtype=torch.float64)

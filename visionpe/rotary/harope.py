@@ -191,12 +191,14 @@ class HARoPE(LinearRotary):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self.is_folded = bool(self.folded)
 
-    def _apply(self, fn, *args, **kwargs):
-        module = super()._apply(fn, *args, **kwargs)
-        # fixed frequencies stay fp32 under model.to(bfloat16), as rope_axial's (angles grow with position)
-        if torch.finfo(self.freqs.dtype).bits < 32:
-            self.register_buffer("freqs", self._inner_frequencies().to(self.freqs.device), persistent=False)
-        return module
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        # the frequencies stay fp32 under model.to(bfloat16), as rope_axial's (angles grow with position); the
+        # persistent flag is state (whether the checkpoint holds folded bases), False at initialisation
+        return {"freqs": self._inner_frequencies(), "folded": torch.zeros((), dtype=torch.bool)}
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        self.is_folded = False
 
     def frequencies(self) -> torch.Tensor:
         return self.freqs[None, None]

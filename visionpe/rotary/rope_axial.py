@@ -77,6 +77,11 @@ class RopeAxial(LinearRotary):
             )
         self.register_buffer("freqs", self._frequency_table(), persistent=False)
 
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        # fp32 under model.to(bfloat16) (angles grow with position, so bf16 frequencies would cost ~0.1 rad at
+        # x = 63), as timm keeps its rotary bands; rebuilt after moves and to_empty by the base class
+        return {"freqs": self._frequency_table()}
+
     def _frequency_table(self) -> torch.Tensor:
         """(ndim, head_dim // 2) frequencies, rows in coordinate order, pair blocks in ``axis_order``."""
         if self.axis_order == "xyt"[: self.ndim]:
@@ -107,12 +112,3 @@ class RopeAxial(LinearRotary):
         if grid_size is None and self.coord_offset and self.coord_mode == "index":
             coords = coords - self.coord_offset
         return super().rotation_grid_size(coords, grid_size)
-
-    def _apply(self, fn, *args, **kwargs):
-        module = super()._apply(fn, *args, **kwargs)
-        # model.to(bfloat16) casts every floating buffer; fixed frequencies are rebuilt in fp32 (angles grow with
-        # position, so bf16 frequencies would cost ~0.1 rad at x = 63), as timm does for its rotary bands
-        if torch.finfo(self.freqs.dtype).bits < 32:
-            freqs = self._frequency_table().to(self.freqs.device)
-            self.register_buffer("freqs", freqs, persistent=False)
-        return module

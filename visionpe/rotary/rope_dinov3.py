@@ -146,10 +146,6 @@ class RopeDinoV3(LinearRotary):
         zeros = torch.zeros_like(rates)
         return torch.stack((torch.cat((rates, zeros)), torch.cat((zeros, rates))))[None, None]
 
-    def _apply(self, fn, *args, **kwargs):
-        module = super()._apply(fn, *args, **kwargs)
-        # model.to(bfloat16) casts every floating buffer; the fixed periods are rebuilt in fp32, as timm does
-        if torch.finfo(self.periods.dtype).bits < 32:
-            periods = dinov3_periods(self.head_dim, self.base, self.min_period, self.max_period)
-            self.register_buffer("periods", periods.to(self.periods.device), persistent=False)
-        return module
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        # fp32 under model.to(bfloat16), as timm keeps its periods
+        return {"periods": dinov3_periods(self.head_dim, self.base, self.min_period, self.max_period)}

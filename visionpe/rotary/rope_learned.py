@@ -69,10 +69,16 @@ class RopeLearned(LinearRotary):
         self.base, self.axis_pairs = check_base(base), tuple(axis_pairs)
         freqs = axial_frequencies(self.head_dim, self.base, self.axis_pairs)  # (ndim, pairs), one non-zero per column
         # which axis each pair reads: a fixed 0/1 mask in coordinate order, rows (y, x) or (t, y, x)
-        self.register_buffer("axis_mask", (freqs > 0).float(), persistent=False)
+        self.register_buffer("axis_mask", self._axis_mask(), persistent=False)
         log_freqs = freqs.double().sum(0).log()  # each pair's own frequency: base^(-n / n_a) on its axis
         sets = depth if self.share == "layer" else 1
         self.log_freqs = nn.Parameter(log_freqs.float().expand(sets, -1).clone())
+
+    def _axis_mask(self) -> torch.Tensor:
+        return (axial_frequencies(self.head_dim, self.base, self.axis_pairs) > 0).float()
+
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        return {"axis_mask": self._axis_mask()}
 
     def frequencies(self) -> torch.Tensor:
         # (1 | depth, 1, ndim, pairs): exp(l) on each pair's axis, 0 on the others

@@ -346,12 +346,19 @@ class SeqPE(RotaryPositionEncoding):
         """The training grid (the model's nominal grid): the transfer loss's in-distribution grid and the shift's
         window. Raises if its indices need more than ``max_digits`` digits."""
         self.train_grid_size = self._check_digits(self.check_grid(grid_size), "grid_size")
+        self.register_buffer("shift_origin_table", self._shift_origin_table(), persistent=False)
+
+    def _shift_origin_table(self) -> torch.Tensor:
+        """(shift_origins, 2) int64 origins (oy, ox) in [0, side - H0] x [0, side - W0] of the training grid, the
+        reference's shift windows, drawn once per grid from a fixed seed [visionpe]: every run, and a run resumed
+        from a checkpoint, shifts to the same windows."""
         height, width = self.train_grid_size
-        # origins (oy, ox) in [0, side - H0] x [0, side - W0], the reference's shift windows, drawn once per grid
-        # from a fixed seed [visionpe]: every run, and a run resumed from a checkpoint, shifts to the same windows
         ny, nx = max(self.side - height + 1, 1), max(self.side - width + 1, 1)
         order = torch.randperm(ny * nx, generator=torch.Generator().manual_seed(_SHIFT_SEED))[: self.shift_origins]
-        self.register_buffer("shift_origin_table", torch.stack((order // nx, order % nx), 1), persistent=False)
+        return torch.stack((order // nx, order % nx), 1)
+
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        return {"shift_origin_table": self._shift_origin_table()}
 
     def _check_digits(self, grid_size: tuple[int, ...], name: str) -> tuple[int, ...]:
         largest = max(grid_size) - 1

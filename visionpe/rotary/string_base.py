@@ -172,6 +172,14 @@ class StringBase(LinearRotary):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self.is_folded = bool(self.folded)
 
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        # the persistent flag is state (whether the checkpoint holds folded parameters), False at initialisation
+        return {"folded": torch.zeros((), dtype=torch.bool)}
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        self.is_folded = False
+
     @property
     def ndims(self) -> tuple[int, ...]:
         """Grid ranks: 2 (the image grid) with ``depth_coords``, whose positions have a third axis, else ndim."""

@@ -124,6 +124,9 @@ class StringCirculant(StringBase):
         self.register_buffer("basis", fourier_basis(self.head_dim), persistent=False)
         self.base = float(base)
 
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        return {**super().fixed_buffers(), "basis": fourier_basis(self.head_dim)}
+
     def frequencies(self) -> torch.Tensor:
         rates = _phase_rates(self.first_columns)  # (depth, heads, ndim, d/2 + 1)
         # pair 0 holds (DC, Nyquist), which never rotate; pair m holds (Re, Im) of bin m
