@@ -17,21 +17,38 @@ asked, are activation-checkpointed. Two choices follow visionpe's position schem
 
 It also runs on the CPU over gloo (for tests: Lightning's FSDPStrategy refuses a CPU accelerator and torch's FSDP
 needs the CPU named as its device), in full precision.
+
+**FSDP2** (``torch.distributed.fsdp.fully_shard``, what Lightning's ``ModelParallelStrategy``, torchtitan and accelerate
+use): :func:`shard_model` makes each transformer block a shard unit and the model the root unit, in a LightningModule's
+``configure_model`` or a script of its own; :func:`materialize_model` turns a model built on the meta device and sharded
+into one on a real device, from a full state dict or each module's ``reset_parameters``. The position schemes sit at
+model level in every visionpe model (a per-layer parameter is one tensor over all blocks), so their parameters are in
+the root unit, which keeps fp32 parameters whatever the blocks' ``MixedPrecisionPolicy``; the position context (rotary
+tables, bias states) reaches the blocks as it was computed, in fp32, the blocks casting only the token stream.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+import torch
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
+from ..base import PositionEncoding
 from ..checks import check_bool, check_choice, check_instance
 
-__all__ = ["BlockFSDPStrategy", "DEFAULT_BLOCK_CLASSES", "resolve_block_classes"]
+__all__ = [
+    "BlockFSDPStrategy",
+    "DEFAULT_BLOCK_CLASSES",
+    "materialize_model",
+    "resolve_block_classes",
+    "shard_model",
+    "shard_units",
+]
 
 #: timm's transformer block: every ``visionpe_vit_*`` block (:class:`visionpe.attention.PosBlock`) is one, and so are
 #: the blocks of timm's own ViTs.
@@ -264,3 +281,191 @@ class BlockFSDPStrategy(FSDPStrategy):
         plugin = self.precision_plugin
         if isinstance(plugin, _NormClippingFSDPPrecision) and isinstance(root, FullyShardedDataParallel):
             plugin.root = root
+
+
+# -- FSDP2 ----------------------------------------------------------------------------------------------------------
+
+
+def shard_units(model: nn.Module, block_classes: Sequence[str | type[nn.Module]] = DEFAULT_BLOCK_CLASSES) -> list[str]:
+    """The names of the modules of ``model`` that :func:`shard_model` makes shard units: the outermost instances of
+    ``block_classes`` (default timm's ``Block``: the blocks of every ``visionpe_vit_*``, of the video and multi-view
+    ViTs and of the open_clip tower), in model order. Everything else (patch embedding, prefix tokens, position
+    schemes, norms, head) belongs to the root unit.
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
+        ValueError: no module of ``model`` is an instance of ``block_classes`` (or those as in
+            :func:`resolve_block_classes`).
+
+    Example:
+        >>> import timm
+        >>> model = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed="rope_mixed", depth=2)
+        >>> shard_units(model)
+        ['blocks.0', 'blocks.1']
+    """
+    check_instance(model, "model", nn.Module, expected="a torch.nn.Module")
+    classes = resolve_block_classes(block_classes)
+    units: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, classes) and not any(name.startswith(f"{unit}.") for unit in units):
+            units.append(name)
+    if not units:
+        found = sorted({type(m).__qualname__ for m in model.modules()})
+        raise ValueError(
+            f"block_classes {[c.__qualname__ for c in classes]} match no module of the model, which would be one "
+            f"shard unit gathered whole in every forward; its module classes are {found}"
+        )
+    return units
+
+
+def _cast_tokens(dtype: torch.dtype):
+    """A forward pre-hook giving a block its token input (the first argument, or ``x``) in ``dtype``."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+            args = (args[0].to(dtype), *args[1:])
+        elif isinstance(kwargs.get("x"), torch.Tensor) and kwargs["x"].is_floating_point():
+            kwargs = {**kwargs, "x": kwargs["x"].to(dtype)}
+        return args, kwargs
+
+    return hook
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: Any = None,
+    mp_policy: Any = None,
+    reshard_after_forward: bool | None = None,
+    offload_policy: Any = None,
+    block_classes: Sequence[str | type[nn.Module]] = DEFAULT_BLOCK_CLASSES,
+) -> nn.Module:
+    """Shard ``model`` with FSDP2 (``torch.distributed.fsdp.fully_shard``): each block (:func:`shard_units`) one
+    unit, then the model the root unit; returns ``model`` (sharded in place).
+
+    Call it on a model built on the meta device (then :func:`materialize_model`) or on a real one, in a
+    LightningModule's ``configure_model`` under Lightning's ``ModelParallelStrategy`` (``mesh``:
+    ``self.device_mesh["data_parallel"]``) or in a script after ``torch.distributed.init_process_group``.
+
+    Precision: the blocks gather their parameters in ``mp_policy.param_dtype`` and reduce gradients in its
+    ``reduce_dtype``; the root unit (patch embedding, prefix tokens, the position schemes with their learnable
+    frequencies and tables, norms, head) keeps its parameters in their own dtype (fp32) and reduces in
+    ``reduce_dtype``. Each block casts its token input to ``param_dtype`` itself, so that the position context it
+    is given (rotary cos/sin tables, bias states, computed in fp32 by the root) is not cast with it as FSDP2's
+    ``cast_forward_inputs`` would, and returns its tokens in the root's dtype (fp32). ``mp_policy.output_dtype``
+    applies to the model's output.
+
+    Args:
+        model: a ``torch.nn.Module`` with transformer blocks (``visionpe_vit_*``, the video and multi-view ViTs, the
+            open_clip tower, or any model whose blocks are ``block_classes``).
+        mesh: a 1D ``DeviceMesh`` over the processes that shard (None: every process, on the default device type).
+        mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` or None (full precision).
+        reshard_after_forward: as ``fully_shard``'s; None (default): the blocks free their gathered parameters after
+            forward, the root keeps them until backward (so the schemes' auxiliary losses, computed after the forward,
+            read them gathered).
+        offload_policy: a ``torch.distributed.fsdp.CPUOffloadPolicy`` or None.
+        block_classes: the classes (or dotted names) of the blocks, as in :func:`resolve_block_classes`.
+
+    Raises:
+        TypeError: ``model``, ``mp_policy`` or ``reshard_after_forward`` has the wrong type.
+        ValueError: no block matches ``block_classes``; the model is already sharded; or a position scheme sits
+            inside a block (its parameters would be gathered in the blocks' low precision) while ``mp_policy``
+            lowers the parameters' precision.
+
+    Example (a LightningModule under ``ModelParallelStrategy``)::
+
+        def configure_model(self):
+            shard_model(self.model, mesh=self.device_mesh["data_parallel"],
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    check_instance(model, "model", nn.Module, expected="a torch.nn.Module")
+    if mp_policy is not None:
+        check_instance(mp_policy, "mp_policy", MixedPrecisionPolicy, expected="a MixedPrecisionPolicy or None")
+    if reshard_after_forward is not None:
+        check_bool(reshard_after_forward, "reshard_after_forward")
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError("model is already sharded (it holds FSDP2 modules): shard_model shards a model once")
+    units = shard_units(model, block_classes)
+    policy = mp_policy or MixedPrecisionPolicy()
+    param_dtype = policy.param_dtype
+    lowers = param_dtype is not None and any(
+        p.is_floating_point() and torch.finfo(p.dtype).bits > torch.finfo(param_dtype).bits for p in model.parameters()
+    )
+    if lowers:
+        for unit in units:
+            inner = [n for n, m in model.get_submodule(unit).named_modules() if isinstance(m, PositionEncoding)]
+            if inner:
+                raise ValueError(
+                    f"position scheme(s) {[f'{unit}.{n}' for n in inner]} sit inside block {unit!r}, whose parameters "
+                    f"are gathered in {param_dtype}: their angles would be computed from {param_dtype} parameters; "
+                    "keep the schemes at model level or shard without lowering param_dtype"
+                )
+    common: dict[str, Any] = {"mesh": mesh}
+    if offload_policy is not None:
+        common["offload_policy"] = offload_policy
+    root_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    block_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype,
+        reduce_dtype=policy.reduce_dtype,
+        output_dtype=root_dtype if param_dtype is not None else None,
+        cast_forward_inputs=False,
+    )
+    root_policy = MixedPrecisionPolicy(
+        reduce_dtype=policy.reduce_dtype, output_dtype=policy.output_dtype, cast_forward_inputs=True
+    )
+    block_reshard = True if reshard_after_forward is None else reshard_after_forward
+    for unit in units:
+        block = model.get_submodule(unit)
+        fully_shard(block, mp_policy=block_policy, reshard_after_forward=block_reshard, **common)
+        if param_dtype is not None:
+            block.register_forward_pre_hook(_cast_tokens(param_dtype), with_kwargs=True)
+    root_kwargs = {} if reshard_after_forward is None else {"reshard_after_forward": reshard_after_forward}
+    fully_shard(model, mp_policy=root_policy, **root_kwargs, **common)
+    return model
+
+
+def materialize_model(
+    model: nn.Module, device: torch.device | str, state_dict: Mapping[str, torch.Tensor] | None = None
+) -> nn.Module:
+    """Give a model built on the meta device (and sharded by :func:`shard_model`, or not) storage on ``device``,
+    then its values; returns ``model``.
+
+    ``to_empty`` allocates every parameter and buffer (each process its shards) and rebuilds the position schemes'
+    fixed tables in fp32 (:class:`~visionpe.base.PositionEncoding`). Then, with ``state_dict`` (a full, unsharded
+    state dict, e.g. the single-process model's, the same on every process), every process loads its shards of it
+    (``torch.distributed.checkpoint.state_dict.set_model_state_dict``); without, the model's ``init_weights()`` when
+    it has one (timm's models: timm's initialisation, which calls each scheme's
+    :meth:`~visionpe.base.PositionEncoding.reset_parameters`), else every module's ``reset_parameters``, inner modules
+    before the modules that hold them, so that a scheme's own initialisation is the one kept. Without a state dict the
+    random draws of a sharded model are each process's own: load a state dict where runs must be reproducible.
+
+    Raises:
+        TypeError: ``model`` is not a module or ``state_dict`` not a mapping.
+        ValueError: ``device`` is not a device, or the model holds no meta tensor (nothing to materialise).
+    """
+    check_instance(model, "model", nn.Module, expected="a torch.nn.Module")
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as err:
+        raise ValueError(f"device must be a torch.device or its name, got {device!r}") from err
+    if state_dict is not None:
+        check_instance(state_dict, "state_dict", Mapping, expected="a mapping of names to tensors or None")
+    tensors = [*model.parameters(), *model.buffers()]
+    if not any(t.is_meta or getattr(getattr(t, "_local_tensor", None), "is_meta", False) for t in tensors):
+        raise ValueError("model holds no meta-device tensor: materialize_model materialises a model built on 'meta'")
+    model.to_empty(device=device)
+    if state_dict is not None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, dict(state_dict), options=StateDictOptions(full_state_dict=True, strict=True))
+        return model
+    init_weights = getattr(model, "init_weights", None)
+    if callable(init_weights):  # timm's models: their own initialisation, which calls the schemes' reset_parameters
+        init_weights()
+        return model
+    for module in reversed(list(model.modules())):  # inner modules first
+        reset = getattr(module, "reset_parameters", None)
+        if callable(reset):
+            reset()
+    return model
