@@ -14,6 +14,9 @@
 #           minutes per model; the whole sweep: python train/scenes.py --config configs/scenes/scenes_gpu.yaml
 #   fsdp    the FSDP tests (tests/training/test_fsdp.py) with the GPU ones: bf16 blocks on one or two GPUs; about
 #           3 minutes
+#   fsdp2   FSDP2 (fully_shard per block, bench/fsdp2_check.py): a ViT built on the meta device, sharded over the
+#           GPUs (torchrun: 2 processes with 2 GPUs or more, 1 with one), trains to the weights of one process, and
+#           under a bf16 policy its position parameters and rotary tables stay fp32; about 1 minute
 #   compile whole-model torch.compile with CUDA graphs (mode reduce-overhead) and max-autotune, bf16 training
 #           steps against eager, for the schemes of the speed targets (bench/compile_modes.py); about 8 minutes
 # Usage: bash bench/gpu_smoke.sh [--part steps] [--part smoke ...] [--out DIR] [--dry-run] [options of gpu_smoke.py]
@@ -54,8 +57,8 @@ case "$(realpath -m "$out")/" in
 esac
 for part in "${parts[@]}"; do
     case "$part" in
-        steps|smoke|data|scenes|fsdp|compile) ;;
-        *) echo "--part must be one of steps smoke data scenes fsdp compile, got '$part'" >&2; exit 2 ;;
+        steps|smoke|data|scenes|fsdp|fsdp2|compile) ;;
+        *) echo "--part must be one of steps smoke data scenes fsdp fsdp2 compile, got '$part'" >&2; exit 2 ;;
     esac
 done
 if [ -n "${PYTHON:-}" ]; then
@@ -138,6 +141,19 @@ print('batched augmentation without synchronisation:', tuple(y.shape))"
         ;;
     fsdp)
         run_part fsdp 300 "$PYTHON" -m pytest -q -p no:cacheprovider tests/training/test_fsdp.py
+        ;;
+    fsdp2)
+        if [ "$dry" = 1 ]; then  # two processes over gloo on the CPU, tiny sizes
+            fsdp2=(--nproc_per_node 2 bench/fsdp2_check.py --device cpu --size 32 --dim 32 --heads 2)
+        else
+            gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
+            if [ "$gpus" -lt 1 ]; then
+                echo "--part fsdp2 needs a GPU (none visible); --dry-run checks it on the CPU" >&2
+                exit 2
+            fi
+            fsdp2=(--nproc_per_node "$(( gpus >= 2 ? 2 : 1 ))" bench/fsdp2_check.py --device cuda)
+        fi
+        run_part fsdp2 300 "$PYTHON" -m torch.distributed.run --standalone "${fsdp2[@]}"
         ;;
     compile)
         if [ "$dry" = 1 ]; then
