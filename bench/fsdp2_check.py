@@ -3,6 +3,7 @@ frequencies and a bias scheme, built on the meta device, sharded over the proces
 one-process model's state dict, trains a few steps to the same weights as one process on the whole batch (full
 precision); under a bf16 ``MixedPrecisionPolicy`` the blocks compute in bf16 while the position schemes' parameters
 and the rotary tables given to the blocks stay fp32. Exits 1 when a check fails.
+
     torchrun --nproc_per_node 2 bench/fsdp2_check.py            # two GPUs (NCCL); --nproc_per_node 1 on one
     torchrun --nproc_per_node 2 bench/fsdp2_check.py --device cpu   # gloo, the pipeline check of a dry run
 """
