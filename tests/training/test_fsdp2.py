@@ -287,3 +287,24 @@ def test_materialize_without_a_state_dict_initialises_every_tensor():
     fresh = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=["learned", "rope_mixed", "fire"], **TINY)
     torch.testing.assert_close(model.pos_schemes.fire.base_threshold, fresh.pos_schemes.fire.base_threshold)
     assert model.pos_schemes.rope_mixed.freqs.shape == fresh.pos_schemes.rope_mixed.freqs.shape
+
+
+def test_fsdp2_config_composes_with_the_imagenet_config(tmp_path):
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from experiments.cli import run_cli
+
+    root = Path(__file__).resolve().parents[2]
+    small = ["--model.model_name=visionpe_vit_tiny_patch16_224", "--model.model_kwargs={}", "--model.num_classes=10"]
+    cli = run_cli(
+        args=["--config", str(root / "configs" / "imagenet" / "deit_small.yaml")]
+        + ["--config", str(root / "configs" / "fsdp2" / "vit.yaml"), "--trainer.accelerator=cpu"]
+        + ["--trainer.devices=1", "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}", *small],
+        run=False,
+    )
+    strategy = cli.trainer.strategy
+    assert type(strategy) is ModelParallelStrategy
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == ("auto", 1)
+    assert strategy._save_distributed_checkpoint and cli.config.trainer.precision == "32-true"
+    # the model the module builds is what shard_model shards: its blocks are the units
+    assert shard_units(cli.model.model) == [f"blocks.{i}" for i in range(len(cli.model.model.blocks))]
