@@ -4,7 +4,8 @@ core and never on models or integrations, no module-level import circle, no impo
 Layers, lowest first:
 
 - core: ``checks``, ``grid``, ``tokens``, ``base``, ``registry``, ``contract``, ``attention`` and ``interfaces/``
-  (the typed states attention talks to schemes through);
+  (the typed states attention talks to schemes through), and ``parallel/`` (sequence-parallel sharding and
+  attention, on torch.distributed);
 - schemes: ``absolute/``, ``rotary/``, ``bias/``, ``camera/``, ``multimodal/``, each importing the core and itself;
 - ``models/``: the ViTs, on the core and the schemes;
 - ``integrations/``: timm, Hugging Face, open_clip, on everything below;
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "visionpe"
-CORE = {"checks", "grid", "tokens", "base", "registry", "contract", "attention", "interfaces"}
+CORE = {"checks", "grid", "tokens", "base", "registry", "contract", "attention", "interfaces", "parallel"}
 SCHEMES = {"absolute", "rotary", "bias", "camera", "multimodal"}
 # what each layer may import besides itself
 ALLOWED = {

@@ -5,7 +5,7 @@ subpackages of ``__all__`` available (``visionpe.multimodal.get_position_ids`` a
 like the rest of the core they need torch and timm only.
 """
 
-from . import absolute, bias, camera, grid, multimodal, rotary  # noqa: F401  (importing them registers every scheme)
+from . import absolute, bias, camera, grid, multimodal, parallel, rotary  # noqa: F401  (registers schemes, entry points)
 from .attention import PosAttention, PosBlock, PositionContext, set_attention_backend, set_rotary_backend
 from .base import (
     AbsolutePositionEncoding,
