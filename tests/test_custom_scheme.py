@@ -47,13 +47,17 @@ class FixedRope(LinearRotary):
         yarn_beta: float = 32.0,
     ) -> None:
         super().__init__(dim, num_heads, depth, ndim, coord_mode, grid_size, extrapolation, yarn_alpha, yarn_beta)
+        self.register_buffer("freqs", self.fixed_buffers()["freqs"], persistent=False)
+
+    def fixed_buffers(self) -> dict[str, torch.Tensor]:
+        """The frequency table, computed from the configuration (rebuilt after a meta-device build)."""
         pairs = self.head_dim // 2
         rate = 100.0 ** (-torch.arange(pairs, dtype=torch.float32) / pairs)
         angle = torch.arange(pairs, dtype=torch.float32) * 2.4
         rows = [rate * angle.sin(), rate * angle.cos()]  # coordinate columns (y, x)
-        if ndim == 3:
+        if self.ndim == 3:
             rows.insert(0, rate)  # (t, y, x)
-        self.register_buffer("freqs", torch.stack(rows)[None, None], persistent=False)
+        return {"freqs": torch.stack(rows)[None, None]}
 
     def frequencies(self) -> torch.Tensor:
         """(1, 1, ndim, head_dim // 2): the same frequencies in every block and head."""

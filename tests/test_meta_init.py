@@ -16,15 +16,7 @@ import visionpe
 from visionpe.camera import Cameras, look_at
 from visionpe.registry import get_scheme_class
 
-# The throwaway rotary scheme that tests/test_custom_scheme.py registers computes its frequency buffer in __init__
-# only, without fixed_buffers(): it is what a scheme that forgets the rule looks like, and fails here (strict xfail).
-FORGETS_FIXED_BUFFERS = {"test_fixed_rope"}
-SCHEMES = [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="buffers without fixed_buffers()"))
-    if name in FORGETS_FIXED_BUFFERS
-    else name
-    for name in visionpe.list_schemes() + visionpe.list_schemes("camera")
-]
+SCHEMES = visionpe.list_schemes() + visionpe.list_schemes("camera")
 IMAGE = (16, 24)  # a non-square 2 x 3 grid
 TINY = dict(img_size=IMAGE, patch_size=8, depth=2, num_heads=2, num_classes=3)
 

@@ -306,5 +306,76 @@ def test_fsdp2_config_composes_with_the_imagenet_config(tmp_path):
     assert type(strategy) is ModelParallelStrategy
     assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == ("auto", 1)
     assert strategy._save_distributed_checkpoint and cli.config.trainer.precision == "32-true"
+    assert cli.model.hparams.sharded_param_dtype == "bfloat16"
     # the model the module builds is what shard_model shards: its blocks are the units
     assert shard_units(cli.model.model) == [f"blocks.{i}" for i in range(len(cli.model.model.blocks))]
+
+
+def _fit_classifier(strategy, **module_kwargs):
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from visionpe.training.module import Classifier
+
+    class Images(L.LightningDataModule):
+        batch_size = BATCH
+
+        def train_dataloader(self):
+            generator = torch.Generator().manual_seed(0)
+            images = torch.randn(2 * BATCH, 3, *IMAGE, generator=generator)
+            return DataLoader(TensorDataset(images, torch.randint(0, 3, (2 * BATCH,), generator=generator)), BATCH)
+
+    torch.manual_seed(0)
+    module = Classifier(
+        "visionpe_vit_tiny_patch16_224",
+        pos_embed=["learned", "rope_mixed"],
+        num_classes=3,
+        model_kwargs=TINY,
+        mixup=0.0,
+        cutmix=0.0,
+        warmup_epochs=0.0,
+        drop_path_rate=0.0,
+        opt="sgd",  # Adam's first steps are about lr * sign(grad): float noise in a near-zero gradient flips them
+        base_lr=0.5,
+        **module_kwargs,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,  # one process: the same batches as the run without a strategy
+    )
+    trainer.fit(module, Images())
+    return module
+
+
+def test_the_classifier_shards_itself_under_lightnings_model_parallel_strategy():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    sharded = _fit_classifier(ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1))
+    assert isinstance(sharded.model, FSDPModule) and all(isinstance(b, FSDPModule) for b in sharded.model.blocks)
+    freqs = sharded.model.pos_schemes.rope_mixed.freqs
+    assert isinstance(freqs, DTensor) and freqs.dtype == torch.float32
+    plain = _fit_classifier("auto")  # the same two updates without sharding
+    trained = {name: value.full_tensor() for name, value in sharded.model.state_dict().items()}
+    assert trained.keys() == plain.model.state_dict().keys()
+    for name, value in plain.model.state_dict().items():
+        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=1e-5, msg=name)
+    # bf16 blocks: the run trains, the position parameters stay fp32
+    low = _fit_classifier(
+        ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), sharded_param_dtype="bfloat16"
+    )
+    assert low.model.pos_schemes.rope_mixed.freqs.dtype == torch.float32
+    assert all(torch.isfinite(p.full_tensor()).all() for p in low.model.parameters())
+    # a precision for sharded blocks under a strategy that does not shard is refused, not ignored
+    with pytest.raises(ValueError, match="sharded_param_dtype='bfloat16' applies to Lightning's ModelParallelStrategy"):
+        _fit_classifier("auto", sharded_param_dtype="bfloat16")
+    with pytest.raises(ValueError, match="sharded_param_dtype must be None, 'bfloat16' or 'float16', got 'bf16'"):
+        _fit_classifier("auto", sharded_param_dtype="bf16")

@@ -19,12 +19,14 @@ import numpy as np
 import timm
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from timm.data import Mixup
 from timm.layers import trunc_normal_
 from timm.loss import SoftTargetCrossEntropy
 from timm.optim import create_optimizer_v2, get_optimizer_class, param_groups_weight_decay
 from timm.scheduler import CosineLRScheduler
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torchmetrics.classification import MulticlassAccuracy
 
 import visionpe  # noqa: F401  (registers the visionpe models with timm)
@@ -33,6 +35,7 @@ from ..grid import validate_positive
 from ..integrations.timm import apply_position_scheme
 from ..integrations.timm_swap import SWAP_ENTRY
 from ..models.vit import normalize_schemes
+from .fsdp import shard_model
 from .sampling import _check_int
 from .sampling import _sample_seed as sample_seed
 
@@ -74,6 +77,8 @@ def _check_args(args: dict[str, Any]) -> None:
         error = ValueError if numeric else TypeError
         raise error(f"{name} must be {expected}, got {value!r}")
 
+    if args["sharded_param_dtype"] not in (None, "bfloat16", "float16"):
+        fail("sharded_param_dtype", "None, 'bfloat16' or 'float16'")
     if not isinstance(args["model_name"], str) or not timm.is_model(args["model_name"]):
         fail("model_name", "a timm model name (timm.list_models(), visionpe_* included)")
     for name in ("pos_embed_kwargs", "model_kwargs"):
@@ -124,6 +129,11 @@ class Classifier(L.LightningModule):
             rank), so resuming from a checkpoint replays the same mixup, cutmix and drop path as an uninterrupted
             run, and the micro-batches of an accumulated update draw differently (the data modules seed their
             sampling and augmentation per epoch the same way).
+        sharded_param_dtype: under Lightning's ``ModelParallelStrategy`` (FSDP2), the dtype in which the blocks
+            gather their parameters (``"bfloat16"`` or ``"float16"``; gradients are reduced in fp32), None: full
+            precision. The model is sharded in :meth:`configure_model` by
+            :func:`~visionpe.training.fsdp.shard_model`: one unit per block, the model (with its position schemes,
+            kept in fp32) the root. Any other strategy with this set raises.
 
     The schedule counts optimizer updates: ``warmup_epochs`` and the cosine are measured in epochs of updates, and
     a run bounded by ``trainer.max_steps`` ends its cosine at ``max_steps``. Clips get cutmix boxes in (H, W), the
@@ -154,6 +164,7 @@ class Classifier(L.LightningModule):
         drop_path_rate: float = 0.1,
         seed: int = 0,
         weight_init: str | None = None,
+        sharded_param_dtype: str | None = None,
     ) -> None:
         super().__init__()
         _check_args(locals())
@@ -275,6 +286,22 @@ class Classifier(L.LightningModule):
         if batch_size is None:
             raise ValueError("the datamodule must have a batch_size attribute to scale the learning rate")
         return batch_size * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+    def configure_model(self) -> None:
+        """Under Lightning's ``ModelParallelStrategy``: shard the model with FSDP2 over the data-parallel mesh
+        (:func:`~visionpe.training.fsdp.shard_model`), once; under any other strategy nothing is sharded here."""
+        dtype = self.hparams.get("sharded_param_dtype")
+        if not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            if dtype is not None:
+                raise ValueError(
+                    f"sharded_param_dtype={dtype!r} applies to Lightning's ModelParallelStrategy (FSDP2), but the "
+                    f"trainer's strategy is {type(self.trainer.strategy).__name__}; set it to None"
+                )
+            return
+        if isinstance(self.model, FSDPModule):  # configure_model runs again for a later fit / test
+            return
+        policy = None if dtype is None else MixedPrecisionPolicy(getattr(torch, dtype), reduce_dtype=torch.float32)
+        shard_model(self.model, mesh=self.device_mesh["data_parallel"], mp_policy=policy)
 
     def setup(self, stage: str) -> None:
         # Before a strategy wraps the model: FSDP turns each parameter into a flat 1-D shard, from which timm's split
