@@ -19,6 +19,7 @@ import inspect
 import pytest
 import timm
 import torch
+import torch.distributed as dist
 from timm.models.vision_transformer import VisionTransformer
 
 import visionpe
@@ -31,6 +32,7 @@ from visionpe.interfaces.fused_rotary import rotation_tables
 from visionpe.models.multiview_vit import MULTIVIEW_CAMERA_ENTRY, MULTIVIEW_ENTRY
 from visionpe.models.video_vit import VIDEO_ENTRY
 from visionpe.models.vit import VIT_ENTRY
+from visionpe.parallel import SEQUENCE_PARALLEL_ENTRY, SequenceParallelViT
 from visionpe.registry import get_scheme_class, registered_schemes
 from visionpe.rotary.scaling import EXTRAPOLATION_MODES
 
@@ -146,6 +148,13 @@ def build_open_clip(name: str) -> Case:
     return _image_case(timm.create_model(tower, num_classes=3))
 
 
+def build_sequence_parallel(name: str) -> Case:
+    # one rank of a one-process group (the _one_rank_group fixture): the sharded attention's whole code path; a
+    # register token makes 18 tokens, which zig-zag cuts into 2 chunks
+    model = timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=name, img_size=IMG, reg_tokens=1, **SHAPE)
+    return Case(SequenceParallelViT(model, mode="ring", layout="zigzag"), {"x": torch.randn(1, 3, IMG, IMG)})
+
+
 # entry point -> (its declaration, the builder); the Classifier reaches the swap with a timm model name
 BUILDERS = {
     "vit": (VIT_ENTRY, build_vit),
@@ -154,9 +163,25 @@ BUILDERS = {
     "mvvit_camera": (MULTIVIEW_CAMERA_ENTRY, build_mvvit_camera),
     "swap": (SWAP_ENTRY, build_swap),
     "classifier": (SWAP_ENTRY, build_classifier),
+    "sequence_parallel": (SEQUENCE_PARALLEL_ENTRY, build_sequence_parallel),
 }
 if OPEN_CLIP_ENTRY is not None:
     BUILDERS["open_clip"] = (OPEN_CLIP_ENTRY, build_open_clip)
+
+
+@pytest.fixture(autouse=True)
+def _one_rank_group(request):
+    """A gloo process group of one rank around each test of the sequence-parallel entry point (torch.distributed's
+    default group is process-wide state: it is torn down after the test)."""
+    params = getattr(request.node, "callspec", None)
+    if params is None or params.params.get("entry") != "sequence_parallel" or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def test_every_registered_entry_point_is_exercised():
@@ -214,7 +239,9 @@ def test_pair_works_or_refuses(name, entry):
     _assert_position_sensitive(case, name)
 
 
-@pytest.mark.parametrize("entry", [e for e in sorted(BUILDERS) if BUILDERS[e][0].causal])
+# the sequence-parallel forward takes no explicit mask: tests/distributed compares its causal attention with the
+# unsharded model's, scheme by scheme
+@pytest.mark.parametrize("entry", [e for e in sorted(BUILDERS) if BUILDERS[e][0].causal and e != "sequence_parallel"])
 @pytest.mark.parametrize("name", SCHEMES)
 def test_causal_attention_is_causal_or_refused(name, entry):
     declared, build = BUILDERS[entry]

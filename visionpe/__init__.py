@@ -5,7 +5,7 @@ subpackages of ``__all__`` available (``visionpe.multimodal.get_position_ids`` a
 like the rest of the core they need torch and timm only.
 """
 
-from . import absolute, bias, camera, grid, multimodal, parallel, rotary  # noqa: F401  (registers schemes, entry points)
+from . import absolute, bias, camera, grid, multimodal, rotary  # noqa: F401  (registers the schemes)
 from .attention import PosAttention, PosBlock, PositionContext, set_attention_backend, set_rotary_backend
 from .base import (
     AbsolutePositionEncoding,
@@ -20,6 +20,7 @@ from .integrations import timm as _timm_models  # noqa: F401  (registers the tim
 from .interfaces.rotary import LayerRotation, RotaryState
 from .models.convert import LoadReport, convert_timm_state_dict, load_timm_state_dict
 from .models.vit import VisionPEViT
+from .parallel import SEQUENCE_PARALLEL_ENTRY as _SEQUENCE_PARALLEL  # noqa: F401  (after the models' entry points)
 from .registry import create_pos_embed, list_schemes, register_scheme
 from .rotary.harope import fold_harope_
 from .rotary.scaling import set_extrapolation

@@ -62,6 +62,9 @@ class EntryPoint:
         causal: whether its forward takes ``is_causal=True``.
         mixed_resolution: whether its forward takes mixed-resolution batches.
         label: a short name for tables (default ``name``).
+        rule: a further rule of this entry point: given a scheme class (what it declares, i.e. its default options)
+            or a built scheme (its options), why it cannot run here (a clause following the scheme's name) or
+            None. :func:`refusal` applies it to the class, :func:`check_built_scheme` to the built scheme.
     """
 
     name: str
@@ -72,6 +75,7 @@ class EntryPoint:
     causal: bool = False
     mixed_resolution: bool = False
     label: str = ""
+    rule: Callable[[Any], str | None] | None = None
 
     def __str__(self) -> str:
         return self.name
@@ -117,8 +121,9 @@ def _declared(cls: type, attribute: str, default: Any) -> Any:
     return getattr(cls, attribute, default)
 
 
-def refusal(entry: EntryPoint, name: str) -> str | None:
-    """Why ``entry`` cannot use the registered scheme ``name`` (one clause, without the entry point), or None."""
+def refusal(entry: EntryPoint, name: str, scheme: Any = None) -> str | None:
+    """Why ``entry`` cannot use the registered scheme ``name`` (one clause, without the entry point), or None; the
+    entry point's :attr:`~EntryPoint.rule` reads the built ``scheme`` when given, else the class's declarations."""
     cls = get_scheme_class(name)
     kind = cls.kind
     missing = sorted(set(_declared(cls, "requires", frozenset())) - set(entry.provides))
@@ -130,6 +135,10 @@ def refusal(entry: EntryPoint, name: str) -> str | None:
     if entry.grid_rank not in ranks:
         supported = " or ".join(f"{r}D" for r in ranks)
         return f"{name!r} supports {supported} grids and this entry point has a {entry.grid_rank}D grid"
+    if entry.rule is not None:
+        reason = entry.rule(cls if scheme is None else scheme)
+        if reason is not None:
+            return f"{name!r} {reason}"
     return None
 
 
@@ -192,13 +201,17 @@ def _unknown(entry: EntryPoint, name: str) -> str:
 
 def check_built_scheme(entry: EntryPoint, name: str, scheme: Any) -> None:
     """:class:`UnsupportedSchemeError` when the built ``scheme`` asks for inputs (``extra_inputs``, set by options
-    such as STRING's ``depth_coords=True``) that ``entry`` does not pass."""
+    such as STRING's ``depth_coords=True``) that ``entry`` does not pass, or when its options break the entry point's
+    :attr:`~EntryPoint.rule`."""
     missing = sorted(set(getattr(scheme, "extra_inputs", ())) - set(entry.provides))
     if missing:
         raise UnsupportedSchemeError(
             f"{entry.name} cannot use {entry.argument}={name!r} with these options: it then reads "
             f"{' and '.join(missing)}, which this entry point does not pass"
         )
+    reason = entry.rule(scheme) if entry.rule is not None else None
+    if reason is not None:
+        raise UnsupportedSchemeError(f"{entry.name} cannot use {entry.argument}={name!r} with these options: {reason}")
 
 
 def check_causal(entry: EntryPoint, schemes: Any) -> None:

@@ -40,7 +40,7 @@ from torch import nn
 from ..attention import PosAttention, PositionContext
 from ..base import PositionEncoding
 from ..checks import check_bool, check_choice, check_instance
-from ..contract import EntryPoint, UnsupportedSchemeError, check_causal, check_schemes, refusal, register_entry_point
+from ..contract import EntryPoint, UnsupportedSchemeError, check_causal, refusal, register_entry_point
 from ..interfaces.bias import LayerBias
 from ..interfaces.rotary import split_heads
 from ..registry import registered_schemes
@@ -62,9 +62,40 @@ __all__ = [
 
 MODES = ("ulysses", "ring")
 
+
+def _declared(scheme: Any, attribute: str, default: Any) -> Any:
+    """``scheme``'s ``attribute``: a built scheme's value, or a class's declared one (``default`` where the class
+    computes it per instance, a property)."""
+    value = getattr(scheme, attribute, default)
+    return default if isinstance(value, property) else value
+
+
+def _sharding_rule(scheme: Any) -> str | None:
+    """Why a scheme (a class: its declared defaults; or a built scheme: its options) cannot run sharded over the
+    sequence, or None: tokens mixed outside attention, inputs the sharded model does not pass, and for bias schemes
+    logits that read more than the positions, or a value term."""
+    extra = sorted(_declared(scheme, "extra_inputs", ()))
+    if extra:
+        return f"reads {' and '.join(extra)}, which the sharded model does not pass"
+    if tuple(_declared(scheme, "insert_after", ())) or not _declared(scheme, "supports_causal", True):
+        return (
+            "mixes neighbouring tokens outside attention (a convolution over the token grid between blocks), which "
+            "needs every token of the grid on one rank"
+        )
+    if _declared(scheme, "kind", None) != "bias":
+        return None
+    if _declared(scheme, "needs_tokens", False) or _declared(scheme, "augments_qk", False):
+        return "computes its bias from the features of every token (needs_tokens / augments_qk)"
+    if _declared(scheme, "needs_probs", False):
+        return "adds a value term read from the whole attention-probability matrix (needs_probs)"
+    if not _declared(scheme, "batch_shared_bias", False):
+        return "has logits that read q and k (batch_shared_bias=False), not the positions only"
+    return None
+
+
 #: :class:`SequenceParallelViT` (a ``visionpe_vit_*`` model with :func:`enable_sequence_parallel`): one image grid,
-#: causal attention, no mixed-resolution batches; the rules beyond the contract's are in
-#: :func:`sequence_parallel_refusal`
+#: causal attention, no mixed-resolution batches; its rule (:func:`sequence_parallel_refusal`) refuses the schemes
+#: that cannot be sharded exactly
 SEQUENCE_PARALLEL_ENTRY = register_entry_point(
     EntryPoint(
         name="visionpe.parallel.SequenceParallelViT",
@@ -73,6 +104,7 @@ SEQUENCE_PARALLEL_ENTRY = register_entry_point(
         causal=True,
         mixed_resolution=False,
         label="sequence parallel",
+        rule=_sharding_rule,
     )
 )
 
@@ -80,31 +112,17 @@ SEQUENCE_PARALLEL_ENTRY = register_entry_point(
 def sequence_parallel_refusal(name: str, scheme: PositionEncoding) -> str | None:
     """Why the built ``scheme`` (registered as ``name``) cannot run sharded over the sequence, or None.
 
-    Decided from what the scheme declares: the contract's rules for :data:`SEQUENCE_PARALLEL_ENTRY`, then the mixing
-    of tokens outside attention (``insert_after``, ``supports_causal``) and, for bias schemes, logits that read more
-    than the positions (``needs_tokens``, ``augments_qk``, ``batch_shared_bias``) or a value term (``needs_probs``).
+    The contract's rules for :data:`SEQUENCE_PARALLEL_ENTRY` read on the built scheme (its options: iRPE in bias
+    mode shards, its default contextual mode does not), or for a scheme outside the registry the entry point's rule
+    alone: tokens mixed outside attention (``insert_after``, ``supports_causal``), ``extra_inputs``, and for bias
+    schemes logits that read more than the positions (``needs_tokens``, ``augments_qk``, ``batch_shared_bias``) or a
+    value term (``needs_probs``).
     """
     check_instance(scheme, "scheme", PositionEncoding, expected="a visionpe PositionEncoding")
-    reason = refusal(SEQUENCE_PARALLEL_ENTRY, name) if name in registered_schemes() else None
-    if reason is not None:
-        return reason
-    missing = sorted(set(getattr(scheme, "extra_inputs", ())))
-    if missing:
-        return f"{name!r} reads {' and '.join(missing)}, which the sharded model does not pass"
-    if tuple(scheme.insert_after) or not scheme.supports_causal:
-        return (
-            f"{name!r} mixes neighbouring tokens outside attention (a convolution over the token grid between blocks), "
-            "which needs every token of the grid on one rank"
-        )
-    if scheme.kind != "bias":
-        return None
-    if getattr(scheme, "needs_tokens", False) or getattr(scheme, "augments_qk", False):
-        return f"{name!r} computes its bias from the features of every token (needs_tokens / augments_qk)"
-    if getattr(scheme, "needs_probs", False):
-        return f"{name!r} adds a value term read from the whole attention-probability matrix (needs_probs)"
-    if not getattr(scheme, "batch_shared_bias", False):
-        return f"{name!r} has logits that read q and k (batch_shared_bias=False), not the positions only"
-    return None
+    if name in registered_schemes():
+        return refusal(SEQUENCE_PARALLEL_ENTRY, name, scheme)
+    reason = _sharding_rule(scheme)
+    return None if reason is None else f"{name!r} {reason}"
 
 
 def check_sequence_parallel(model: nn.Module) -> None:
@@ -114,7 +132,6 @@ def check_sequence_parallel(model: nn.Module) -> None:
     schemes = getattr(model, "pos_schemes", None)
     if isinstance(schemes, nn.ModuleDict):
         items = list(schemes.items())
-        check_schemes(SEQUENCE_PARALLEL_ENTRY, [n for n in dict(items) if n in registered_schemes()])
     else:
         items = [(getattr(m, "scheme_name", type(m).__name__), m) for m in model.modules()]
         items = [(n, m) for n, m in items if isinstance(m, PositionEncoding)]
