@@ -16,7 +16,10 @@
 #           3 minutes
 #   fsdp2   FSDP2 (fully_shard per block, bench/fsdp2_check.py): a ViT built on the meta device, sharded over the
 #           GPUs (torchrun: 2 processes with 2 GPUs or more, 1 with one), trains to the weights of one process, and
-#           under a bf16 policy its position parameters and rotary tables stay fp32; about 1 minute
+#           under a bf16 policy its position parameters and rotary tables stay fp32; then sequence parallelism
+#           (bench/sequence_parallel.py, NCCL): a ViT-S at 496 x 464 px (900 tokens: 4 zig-zag chunks) sharded over
+#           the tokens, Ulysses and ring attention, contiguous and zig-zag, equals the unsharded model (2 processes
+#           with 2 GPUs, 1 with one); about 2 minutes
 #   compile whole-model torch.compile with CUDA graphs (mode reduce-overhead) and max-autotune, bf16 training
 #           steps against eager, for the schemes of the speed targets (bench/compile_modes.py); about 8 minutes
 # Usage: bash bench/gpu_smoke.sh [--part steps] [--part smoke ...] [--out DIR] [--dry-run] [options of gpu_smoke.py]
@@ -154,6 +157,13 @@ print('batched augmentation without synchronisation:', tuple(y.shape))"
             fsdp2=(--nproc_per_node "$(( gpus >= 2 ? 2 : 1 ))" bench/fsdp2_check.py --device cuda)
         fi
         run_part fsdp2 300 "$PYTHON" -m torch.distributed.run --standalone "${fsdp2[@]}"
+        if [ "$dry" = 1 ]; then  # the sharded attention over two gloo processes, a 48 x 80 px image
+            seqpar=(--nproc_per_node 2 bench/sequence_parallel.py --device cpu --backend gloo --repeats 1)
+        else
+            seqpar=(--nproc_per_node "$(( gpus >= 2 ? 2 : 1 ))" bench/sequence_parallel.py --device cuda
+                    --backend nccl --size 496 464 --depth 4 --dim 384 --heads 6)
+        fi
+        run_part sequence_parallel 300 "$PYTHON" -m torch.distributed.run --standalone "${seqpar[@]}"
         ;;
     compile)
         if [ "$dry" = 1 ]; then

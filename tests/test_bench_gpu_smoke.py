@@ -38,10 +38,13 @@ def test_a_dry_run_writes_its_out_folder_and_says_it_measures_nothing(tmp_path):
     assert sorted(p.name for p in (tmp_path / "gpu").iterdir()) == ["gpu_smoke.log"]
 
 
-def test_a_dry_run_of_the_fsdp2_part_shards_over_two_cpu_processes(tmp_path):
+def test_a_dry_run_of_the_fsdp2_part_shards_over_two_cpu_processes_then_over_the_tokens(tmp_path):
     with published_untouched():
         proc = _run("--dry-run", "--part", "fsdp2", "--out", str(tmp_path / "gpu"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = (tmp_path / "gpu" / "fsdp2.log").read_text()
     assert log.count("FSDP2 checks passed on 2 cpu process(es)") == 2, log
+    # then the sequence-parallel check: every case within its tolerance, on 2 ranks
+    log = (tmp_path / "gpu" / "sequence_parallel.log").read_text()
+    assert "2 ranks (gloo, cpu)" in log and log.rstrip().endswith("ok"), log
     assert quick_notices(proc.stdout) == ["--dry-run: the numbers of this run are a pipeline check, not a measurement"]
