@@ -36,7 +36,7 @@ from .families import FAMILIES, find_family
 from .layers import LayerPlan
 from .llava import _Adapter as _RopeOneState
 from .llava import check_scheme_options as _check_rope_1d_options
-from .packing import check_packable, pack_qwen_vl_features
+from .packing import check_packable, pack_qwen_vl_features, token_row
 from .qwen import _QwenState, layer_position_tensors, scheme_position_ids
 from .qwen import check_scheme_options as _check_qwen_options
 
@@ -225,7 +225,7 @@ class VLMPositionCollator:
                     f"features[{index}] has keys {unknown} that the collator does not know how to batch; it pads "
                     f"{list(_TOKEN_ROWS)} and concatenates {list(_CONCATENATED)}"
                 )
-            ids = _row(feature["input_ids"], "input_ids", index)
+            ids = token_row(feature["input_ids"], "input_ids", index)
             for name in _TOKEN_ROWS:
                 value = feature.get(name)
                 if value is None and name == "attention_mask":
@@ -233,7 +233,7 @@ class VLMPositionCollator:
                 if value is None:
                     rows[name].append(None)
                     continue
-                value = _row(value, name, index)
+                value = token_row(value, name, index)
                 if value.shape != ids.shape:
                     raise ValueError(
                         f"features[{index}][{name!r}] has {value.numel()} entries, input_ids {ids.numel()}"
@@ -308,21 +308,3 @@ class VLMPositionCollator:
             f"{type(self).__name__}({self.scheme!r}, family={self.family!r}, packed={self.packed}, "
             f"padding_side={self.padding_side!r}{options})"
         )
-
-
-def _row(value: Any, name: str, index: int) -> torch.Tensor:
-    """One sample's per-token entry as a 1-D int64 tensor: a list, a (L,) or a (1, L) tensor."""
-    try:
-        value = torch.as_tensor(value)
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise TypeError(
-            f"features[{index}][{name!r}] must be a list of ints or an integer tensor, got {type(value).__name__}"
-        ) from err
-    if value.ndim == 2 and value.shape[0] == 1:
-        value = value[0]
-    if value.ndim != 1 or value.is_floating_point() or value.is_complex():
-        raise ValueError(
-            f"features[{index}][{name!r}] must be one sample's integer ids, shape (L,) or (1, L), got shape "
-            f"{tuple(value.shape)} and dtype {value.dtype}"
-        )
-    return value.long()

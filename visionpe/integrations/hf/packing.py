@@ -73,7 +73,7 @@ def check_packable(scheme: str, options: Mapping[str, Any] | None = None) -> Non
             )
 
 
-def _token_row(value: Any, name: str, index: int) -> torch.Tensor:
+def token_row(value: Any, name: str, index: int) -> torch.Tensor:
     """One sample's per-token entry as a 1-D int64 tensor: a list, a (L,) or a (1, L) tensor."""
     if not isinstance(value, torch.Tensor):
         try:
@@ -162,7 +162,7 @@ def pack_qwen_vl_features(
             raise TypeError(f"features[{index}] must be a mapping of model inputs, got {type(feature).__name__}")
         if "input_ids" not in feature:
             raise ValueError(f"features[{index}] has no 'input_ids'")
-        ids = _token_row(feature["input_ids"], "input_ids", index)
+        ids = token_row(feature["input_ids"], "input_ids", index)
         has_visual = any(feature.get(name) is not None for name in _CONCATENATED)
         if feature.get("mm_token_type_ids") is None:
             if has_visual:
@@ -172,11 +172,11 @@ def pack_qwen_vl_features(
                 )
             types = torch.zeros_like(ids)
         else:
-            types = _token_row(feature["mm_token_type_ids"], "mm_token_type_ids", index)
-        labels = None if feature.get("labels") is None else _token_row(feature["labels"], "labels", index)
+            types = token_row(feature["mm_token_type_ids"], "mm_token_type_ids", index)
+        labels = None if feature.get("labels") is None else token_row(feature["labels"], "labels", index)
         keep = None
         if feature.get("attention_mask") is not None:
-            keep = _token_row(feature["attention_mask"], "attention_mask", index) != 0
+            keep = token_row(feature["attention_mask"], "attention_mask", index) != 0
         for name, value in (("mm_token_type_ids", types), ("labels", labels), ("attention_mask", keep)):
             if value is not None and value.shape != ids.shape:
                 raise ValueError(
