@@ -6,6 +6,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel  # noqa: E402
 
+import visionpe.integrations.hf as hf_adapters  # noqa: E402
 from visionpe.integrations.hf import apply_position_scheme  # noqa: E402
 from visionpe.integrations.hf.audit import PositionIdsAudit, audit_position_ids  # noqa: E402
 from visionpe.multimodal import get_position_ids  # noqa: E402
@@ -258,3 +259,9 @@ def test_bad_decode_steps_and_patched_models_are_refused():
     apply_position_scheme(model, "videorope")
     with pytest.raises(ValueError, match="model is patched \\(visionpe scheme 'videorope'\\): the audit compares"):
         audit_position_ids(model, inputs)
+
+
+def test_the_audit_is_exported_with_the_adapters():
+    assert hf_adapters.audit_position_ids is audit_position_ids
+    assert hf_adapters.PositionIdsAudit is PositionIdsAudit
+    assert {"audit_position_ids", "PositionIdsAudit"} <= set(hf_adapters.__all__)

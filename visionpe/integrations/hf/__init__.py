@@ -38,6 +38,7 @@ except ImportError as err:
 from torch import nn
 
 from . import llava, qwen
+from .audit import PositionIdsAudit, audit_position_ids
 from .collate import VLMPositionCollator
 from .families import FAMILIES, find_model, models_of, outer_name
 from .packing import QwenVLPackingCollator, check_packable, pack_qwen_vl_features
@@ -52,6 +53,8 @@ from .vision_tower import (
 __all__ = [
     "apply_position_scheme",
     "remove_position_scheme",
+    "audit_position_ids",
+    "PositionIdsAudit",
     "SUPPORTED_MODELS",
     "QWEN_MODELS",
     "ROPE_1D_MODELS",
