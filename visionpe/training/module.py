@@ -289,8 +289,11 @@ class Classifier(L.LightningModule):
 
     def configure_model(self) -> None:
         """Under Lightning's ``ModelParallelStrategy``: shard the model with FSDP2 over the data-parallel mesh
-        (:func:`~visionpe.training.fsdp.shard_model`), once; under any other strategy nothing is sharded here."""
+        (:func:`~visionpe.training.fsdp.shard_model`), once; under any other strategy, or outside a trainer
+        (``load_from_checkpoint``), nothing is sharded here."""
         dtype = self.hparams.get("sharded_param_dtype")
+        if self._trainer is None:  # load_from_checkpoint builds the module outside any trainer: nothing to shard
+            return
         if not isinstance(self.trainer.strategy, ModelParallelStrategy):
             if dtype is not None:
                 raise ValueError(
