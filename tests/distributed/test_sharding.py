@@ -89,6 +89,11 @@ def test_bad_input_names_the_argument(call, message):
         call()
 
 
+def _tiny_vit(pos_embed: str, options: dict):
+    shape = dict(embed_dim=32, num_heads=2, depth=1)
+    return timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=pos_embed, pos_embed_kwargs=options, **shape)
+
+
 @pytest.mark.parametrize(
     ("pos_embed", "options", "reason"),
     [
@@ -99,14 +104,7 @@ def test_bad_input_names_the_argument(call, message):
     ],
 )
 def test_schemes_that_cannot_be_sharded_are_refused(pos_embed, options, reason):
-    model = timm.create_model(
-        "visionpe_vit_tiny_patch16_224",
-        pos_embed=pos_embed,
-        pos_embed_kwargs=options,
-        embed_dim=32,
-        num_heads=2,
-        depth=1,
-    )
+    model = _tiny_vit(pos_embed, options)
     assert reason in sequence_parallel_refusal(pos_embed, model.pos_schemes[pos_embed])
     with pytest.raises(UnsupportedSchemeError, match=reason):
         check_sequence_parallel(model)
@@ -116,12 +114,5 @@ def test_schemes_that_cannot_be_sharded_are_refused(pos_embed, options, reason):
     ("pos_embed", "options"), [("rope_axial", {}), ("alibi2d", {}), ("sincos", {}), ("irpe", {"mode": "bias"})]
 )
 def test_schemes_of_positions_only_are_taken(pos_embed, options):
-    model = timm.create_model(
-        "visionpe_vit_tiny_patch16_224",
-        pos_embed=pos_embed,
-        pos_embed_kwargs=options,
-        embed_dim=32,
-        num_heads=2,
-        depth=1,
-    )
+    model = _tiny_vit(pos_embed, options)
     check_sequence_parallel(model)
