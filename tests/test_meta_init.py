@@ -157,3 +157,32 @@ def test_fixed_buffers_naming_an_unregistered_buffer_raises():
 
     with pytest.raises(RuntimeError, match="missing.*not buffers the scheme registered"):
         Broken(dim=32, num_heads=2).init_non_persistent_buffers()
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("visionpe_vit_tiny_patch16_224", {"pos_embed": ["learned", "rope_mixed"], "reg_tokens": 2}),
+        ("visionpe_video_vit_tiny_tubelet2x16", {"pos_embed": "rope_axial"}),
+        ("visionpe_mvvit_tiny_patch16", {"pos_embed": "rope_axial", "camera_embed": "gta"}),
+    ],
+)
+def test_lightnings_meta_device_materialisation_leaves_no_module_uninitialised(name, kwargs):
+    # what Lightning's ModelParallelStrategy / FSDPStrategy do to a model built on the meta device: to_empty, then
+    # reset_parameters on every module holding tensors, warning about those without one
+    import warnings
+
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    with torch.device("meta"):
+        model = timm.create_model(name, depth=1, embed_dim=32, num_heads=2, **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _materialize_distributed_module(model, torch.device("cpu"))
+    incomplete = [str(w.message) for w in caught if "initialization incomplete" in str(w.message)]
+    assert not incomplete, incomplete
+    for param_name, param in model.named_parameters():
+        assert torch.isfinite(param).all(), param_name
+    for token in (model.cls_token, getattr(model, "reg_token", None)):
+        if token is not None:  # timm's init: N(0, 1e-6^2)
+            assert 0 < token.abs().max() < 1e-4

@@ -507,6 +507,17 @@ class VisionPEViT(VisionTransformer):
         """Grid of the patch embedding's output (NHWC when ``dynamic_img_size``, else NLC on the nominal grid)."""
         return tuple(x.shape[1:3]) if self.dynamic_img_size else tuple(self.patch_embed.grid_size)
 
+    def reset_parameters(self) -> None:
+        """Draw the model's own tokens (class and register tokens) as timm's ``init_weights`` does, N(0, 1e-6^2).
+
+        Meta-device initialisation (Lightning's ``ModelParallelStrategy`` and FSDP strategies, torchtitan) calls
+        ``reset_parameters`` on every module that holds tensors after ``to_empty``; the blocks, the position schemes
+        and the head have their own, so without this one the tokens would keep uninitialised memory."""
+        with torch.no_grad():
+            for token in (self.cls_token, self.reg_token):
+                if token is not None:
+                    nn.init.normal_(token, std=1e-6)
+
     def _pos_embed_grid(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
         """Patch tokens -> prefix + patches with absolute encodings, and the grid size."""
         grid_size = self._grid_size(x)
