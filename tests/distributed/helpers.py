@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -15,16 +14,11 @@ WORLD = 2
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, body, port: int, out: str) -> None:
+def _worker(rank: int, body, out: str) -> None:
     torch.set_num_threads(1)
+    # a file rendezvous in the test's own folder: no port to race for with tests running beside it
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
+        "gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60)
     )
     try:
         checked = body(rank)
@@ -40,7 +34,7 @@ def run_on_two_ranks(body, tmp_path: Path) -> list[str]:
     """``body(rank)`` in two spawned gloo processes; returns the names of the cases rank 0 checked (each rank's
     list must be the same). A failure on either rank fails the test with that rank's traceback."""
     try:
-        mp.spawn(_worker, args=(body, free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(body, str(tmp_path)), nprocs=WORLD, join=True)
     except Exception as error:  # the child's traceback, not only "process 1 terminated with exit code 1"
         messages = [p.read_text() for p in sorted(tmp_path.glob("rank*.error"))]
         raise AssertionError("\n".join(messages) or str(error)) from error

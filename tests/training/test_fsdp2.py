@@ -7,7 +7,6 @@ Every model is tiny (depth 2, width 32 or 48, a 2 x 3 grid); the two processes a
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -138,7 +137,7 @@ def _root_fqns(model: nn.Module) -> set[str]:
     return {p._param_fqn for p in group.fsdp_params}
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -146,7 +145,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # a file rendezvous in the test's own folder: no port to race for with tests running beside it
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     report: dict = {}
     try:
@@ -222,14 +222,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_sharded_processes_from_meta_match_one_process(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for name in CASES:
         for report in ranks:
