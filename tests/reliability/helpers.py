@@ -11,13 +11,18 @@ from visionpe.rotary.base import LinearRotary
 
 from ..conftest import ALL_SCHEMES, LIE, ROTARY
 
-__all__ = ["ALL_SCHEMES", "LIE", "ROTARY", "perturb_", "position_tables", "tiny_vit"]
+__all__ = ["ALL_SCHEMES", "LIE", "ROTARY", "perturb_", "position_tables", "tiny_video", "tiny_vit"]
 
 
 def tiny_vit(pos_embed, img_size=32, patch_size=8, **kwargs) -> visionpe.VisionPEViT:
     """One block, width 32, two heads of 16 channels; a 4 x 4 patch grid at 32 px."""
     args = dict(depth=1, embed_dim=32, num_heads=2, num_classes=3, img_size=img_size, patch_size=patch_size)
     return timm.create_model("visionpe_vit_tiny_patch16_224", pos_embed=pos_embed, **{**args, **kwargs})
+
+
+def tiny_video(**kwargs) -> torch.nn.Module:
+    """One block of the tiny video ViT at 32 px (``kwargs`` override or add ``timm.create_model`` arguments)."""
+    return timm.create_model("visionpe_video_vit_tiny_tubelet2x16", **{"depth": 1, "img_size": 32, **kwargs})
 
 
 def perturb_(module: torch.nn.Module, scale: float = 0.05, seed: int = 0) -> torch.nn.Module:

@@ -3,7 +3,6 @@ expected and what was given; never a silent wrong answer (or a bare RuntimeError
 
 import numpy as np
 import pytest
-import timm
 import torch
 
 import visionpe
@@ -11,7 +10,7 @@ from visionpe.grid import grid_coords, prefix_mask, validate_grid_size
 from visionpe.multimodal import MultimodalRotary, apply_multimodal_rotary, get_position_ids
 
 from ..conftest import ABSOLUTE, EXTRAPOLATING, EXTRAPOLATION_OPTIONS, FAMILY_REPRESENTATIVES
-from .helpers import ROTARY, tiny_vit
+from .helpers import ROTARY, tiny_video, tiny_vit
 
 NAN, INF = float("nan"), float("inf")
 IMAGE_SEQ = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0]])  # T T <vs> | 2 x 3 merged image | <ve> T
@@ -306,53 +305,43 @@ def test_bias_layer_and_piecewise_index():
             "kwargs_list",
         ),
         _case(
-            lambda: timm.create_model(
-                "visionpe_video_vit_tiny_tubelet2x16", pos_embed="rope_axial", depth=1, img_size=32, num_frames=4
-            )(torch.randn(0, 3, 4, 32, 32)),
+            lambda: tiny_video(pos_embed="rope_axial", num_frames=4)(torch.randn(0, 3, 4, 32, 32)),
             ValueError,
             r"x must be a non-empty batch \(B, C, T, H, W\) .*got \(0, 3, 4, 32, 32\)",
             "video_empty",
         ),
         _case(
-            lambda: timm.create_model(
-                "visionpe_video_vit_tiny_tubelet2x16", pos_embed="rope_axial", depth=1, img_size=32, num_frames=4
-            )(torch.randn(1, 3, 32, 32)),
+            lambda: tiny_video(pos_embed="rope_axial", num_frames=4)(torch.randn(1, 3, 32, 32)),
             ValueError,
             r"x must be a batch \(B, C, T, H, W\), got \(1, 3, 32, 32\)",
             "video_rank",
         ),
         _case(
-            lambda: timm.create_model("visionpe_video_vit_tiny_tubelet2x16", depth=1, img_size=32, tubelet_size=0),
+            lambda: tiny_video(tubelet_size=0),
             ValueError,
             r"tubelet_size must be a positive int, got 0",
             "video_tubelet_zero",
         ),
         _case(
-            lambda: timm.create_model("visionpe_video_vit_tiny_tubelet2x16", depth=1, img_size=32, num_frames=4.0),
+            lambda: tiny_video(num_frames=4.0),
             TypeError,
             r"num_frames must be a positive int, got float \(4.0\)",
             "video_frames_float",
         ),
         _case(
-            lambda: timm.create_model(
-                "visionpe_video_vit_tiny_tubelet2x16", depth=1, img_size=32, num_frames=4, dynamic_img_pad=True
-            ),
+            lambda: tiny_video(num_frames=4, dynamic_img_pad=True),
             ValueError,
             r"VideoPEViT does not pad frames: .*dynamic_img_pad must be False, got True",
             "video_pad",
         ),
         _case(
-            lambda: timm.create_model(
-                "visionpe_video_vit_tiny_tubelet2x16", pos_embed="rope_axial", depth=1, img_size=32, num_frames=4
-            )(torch.randn(1, 3, 4, 32, 32, dtype=torch.float64)),
+            lambda: tiny_video(pos_embed="rope_axial", num_frames=4)(torch.randn(1, 3, 4, 32, 32, dtype=torch.float64)),
             ValueError,
             r"x must have the model's dtype torch.float32 .*got dtype torch.float64",
             "video_f64",
         ),
         _case(
-            lambda: timm.create_model(
-                "visionpe_video_vit_tiny_tubelet2x16", pos_embed="rope_axial", depth=1, img_size=32, num_frames=4
-            )(torch.randn(1, 3, 5, 32, 32)),
+            lambda: tiny_video(pos_embed="rope_axial", num_frames=4)(torch.randn(1, 3, 5, 32, 32)),
             ValueError,
             r"x has clip size 5x32x32 \(T x H x W\), not divisible by the tubelet 2x16x16",
             "video_frames",
