@@ -39,6 +39,7 @@ __all__ = [
     "check_schemes",
     "check_built_scheme",
     "check_causal",
+    "declared",
     "refusal",
     "supported_entry_points",
     "valid_schemes",
@@ -117,8 +118,11 @@ def get_entry_point(name: str, argument: str = "pos_embed") -> EntryPoint:
     return _ENTRY_POINTS[key]
 
 
-def _declared(cls: type, attribute: str, default: Any) -> Any:
-    return getattr(cls, attribute, default)
+def declared(scheme: Any, attribute: str, default: Any) -> Any:
+    """``scheme``'s ``attribute``: a built scheme's value, or a scheme class's declared one (``default`` where the
+    class computes it per instance, a property). Entry points' rules read schemes through it."""
+    value = getattr(scheme, attribute, default)
+    return default if isinstance(value, property) else value
 
 
 def refusal(entry: EntryPoint, name: str, scheme: Any = None) -> str | None:
@@ -126,12 +130,12 @@ def refusal(entry: EntryPoint, name: str, scheme: Any = None) -> str | None:
     entry point's :attr:`~EntryPoint.rule` reads the built ``scheme`` when given, else the class's declarations."""
     cls = get_scheme_class(name)
     kind = cls.kind
-    missing = sorted(set(_declared(cls, "requires", frozenset())) - set(entry.provides))
+    missing = sorted(set(declared(cls, "requires", frozenset())) - set(entry.provides))
     if missing:
         return f"{name!r} needs {' and '.join(missing)}, which this entry point does not provide"
     if kind not in entry.kinds:
         return f"{name!r} is a {kind} scheme and {entry.argument} here takes {' or '.join(entry.kinds)} schemes"
-    ranks = tuple(_declared(cls, "grid_ranks", (2,)))
+    ranks = tuple(declared(cls, "grid_ranks", (2,)))
     if entry.grid_rank not in ranks:
         supported = " or ".join(f"{r}D" for r in ranks)
         return f"{name!r} supports {supported} grids and this entry point has a {entry.grid_rank}D grid"

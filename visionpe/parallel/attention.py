@@ -40,7 +40,7 @@ from torch import nn
 from ..attention import PosAttention, PositionContext
 from ..base import PositionEncoding
 from ..checks import check_bool, check_choice, check_instance
-from ..contract import EntryPoint, UnsupportedSchemeError, check_causal, refusal, register_entry_point
+from ..contract import EntryPoint, UnsupportedSchemeError, check_causal, declared, refusal, register_entry_point
 from ..interfaces.bias import LayerBias
 from ..interfaces.rotary import split_heads
 from ..registry import registered_schemes
@@ -63,32 +63,25 @@ __all__ = [
 MODES = ("ulysses", "ring")
 
 
-def _declared(scheme: Any, attribute: str, default: Any) -> Any:
-    """``scheme``'s ``attribute``: a built scheme's value, or a class's declared one (``default`` where the class
-    computes it per instance, a property)."""
-    value = getattr(scheme, attribute, default)
-    return default if isinstance(value, property) else value
-
-
 def _sharding_rule(scheme: Any) -> str | None:
     """Why a scheme (a class: its declared defaults; or a built scheme: its options) cannot run sharded over the
     sequence, or None: tokens mixed outside attention, inputs the sharded model does not pass, and for bias schemes
     logits that read more than the positions, or a value term."""
-    extra = sorted(_declared(scheme, "extra_inputs", ()))
+    extra = sorted(declared(scheme, "extra_inputs", ()))
     if extra:
         return f"reads {' and '.join(extra)}, which the sharded model does not pass"
-    if tuple(_declared(scheme, "insert_after", ())) or not _declared(scheme, "supports_causal", True):
+    if tuple(declared(scheme, "insert_after", ())) or not declared(scheme, "supports_causal", True):
         return (
             "mixes neighbouring tokens outside attention (a convolution over the token grid between blocks), which "
             "needs every token of the grid on one rank"
         )
-    if _declared(scheme, "kind", None) != "bias":
+    if declared(scheme, "kind", None) != "bias":
         return None
-    if _declared(scheme, "needs_tokens", False) or _declared(scheme, "augments_qk", False):
+    if declared(scheme, "needs_tokens", False) or declared(scheme, "augments_qk", False):
         return "computes its bias from the features of every token (needs_tokens / augments_qk)"
-    if _declared(scheme, "needs_probs", False):
+    if declared(scheme, "needs_probs", False):
         return "adds a value term read from the whole attention-probability matrix (needs_probs)"
-    if not _declared(scheme, "batch_shared_bias", False):
+    if not declared(scheme, "batch_shared_bias", False):
         return "has logits that read q and k (batch_shared_bias=False), not the positions only"
     return None
 
