@@ -46,6 +46,8 @@ from ..contract import UnsupportedSchemeError
 from ..grid import validate_grid_size
 
 __all__ = [
+    "AXIS_NAMES",
+    "DIFFUSION_MODES",
     "EXTRAPOLATION_MODES",
     "SCALING_MODES",
     "Extrapolation",
@@ -62,6 +64,11 @@ __all__ = [
 EXTRAPOLATION_MODES = ("none", "pi", "ntk", "yarn", "riflex")
 #: the modes that scale every frequency of an axis by its factor s_a: any set of frequencies takes them
 SCALING_MODES = ("none", "pi", "ntk", "yarn")
+#: modes that read the diffusion timestep, implemented by the rotary of a patched diffusion transformer only
+#: (:mod:`visionpe.integrations.diffusers`): DyPE
+DIFFUSION_MODES = ("dype",)
+#: the coordinate axes' names by grid rank, the names ``set_extrapolation(..., axes=...)`` takes
+AXIS_NAMES = {1: ("length",), 2: ("height", "width"), 3: ("time", "height", "width")}
 
 
 def axis_scale_factors(grid_size: Sequence[int], train_grid_size: Sequence[int]) -> tuple[float, ...]:
@@ -297,7 +304,13 @@ def scale_frequencies(
 
 
 #: the options of :func:`set_extrapolation` each mode reads (``train_grid_size`` is read by every mode)
-MODE_OPTIONS = {"yarn": ("alpha", "beta"), "riflex": ("riflex_k",)}
+MODE_OPTIONS = {
+    "yarn": ("alpha", "beta", "axes"),
+    "riflex": ("riflex_k", "axes"),
+    "dype": ("dype_method", "dype_exponent", "axes"),
+    "pi": ("axes",),
+    "ntk": ("axes",),
+}
 
 
 def check_mode_options(mode: str, **options: object) -> None:
@@ -315,9 +328,8 @@ def check_mode_options(mode: str, **options: object) -> None:
         if value is None or name in MODE_OPTIONS.get(mode, ()):
             continue
         readers = [m for m, names in MODE_OPTIONS.items() if name in names]
-        raise UnsupportedSchemeError(
-            f"{name} applies to extrapolation={readers[0]!r} only, got extrapolation={mode!r} and {name}={value!r}"
-        )
+        where = f"extrapolation={readers[0]!r} only" if len(readers) == 1 else f"the modes {tuple(readers)}"
+        raise UnsupportedSchemeError(f"{name} applies to {where}, got extrapolation={mode!r} and {name}={value!r}")
 
 
 class Extrapolation(nn.Module):
@@ -348,6 +360,9 @@ class Extrapolation(nn.Module):
         self.train_grid_size = None if grid_size is None else validate_grid_size(grid_size)
         self.yarn_alpha, self.yarn_beta = 1.0, 32.0
         self.riflex_k: tuple[int | None, ...] | None = None
+        # the coordinate axes the mode applies to (indices into the grid), None: every axis
+        self.extrapolation_axes: tuple[int, ...] | None = None
+        self.mode_options: dict = {}
         # frequency multiplier (depth | 1, num_heads | 1, ndim, P) applied after the mode (DoPE), none by default;
         # not saved with the weights: it is an evaluation-time setting, like the mode
         self.register_buffer("band_multiplier", None, persistent=False)
@@ -363,6 +378,8 @@ class Extrapolation(nn.Module):
         beta: float | None = None,
         train_grid_size: Sequence[int] | None = None,
         riflex_k: int | Sequence[int | None] | None = None,
+        axes: Sequence[str] | None = None,
+        **mode_options: object,
     ) -> None:
         """Switch the mode (one of :data:`EXTRAPOLATION_MODES`) at any time; nothing is retrained.
 
@@ -373,11 +390,15 @@ class Extrapolation(nn.Module):
             train_grid_size: override the training grid the factors are relative to (an int: the same on every axis).
             riflex_k: ``riflex`` only: RIFLEx's band per coordinate axis (:func:`check_riflex_k`; None: the band
                 whose period is nearest the training length, on every axis).
+            axes: the names of the coordinate axes the mode applies to (:meth:`axis_names`, e.g. ``("time",)``);
+                None: every axis. The other axes keep their frequencies.
+            mode_options: options of a mode the scheme adds (DyPE's ``dype_method`` and ``dype_exponent`` on a
+                diffusion transformer's rotary); a scheme without such a mode refuses them.
 
         A mode the scheme does not implement raises :class:`~visionpe.contract.UnsupportedSchemeError` (a ValueError).
         """
-        if not isinstance(mode, str) or mode not in EXTRAPOLATION_MODES:
-            raise ValueError(f"extrapolation must be one of {EXTRAPOLATION_MODES}, got {mode!r}")
+        if not isinstance(mode, str) or mode not in EXTRAPOLATION_MODES + DIFFUSION_MODES:
+            raise ValueError(f"extrapolation must be one of {EXTRAPOLATION_MODES + DIFFUSION_MODES}, got {mode!r}")
         train = (
             self.train_grid_size
             if train_grid_size is None
@@ -388,9 +409,50 @@ class Extrapolation(nn.Module):
         if reason is not None:
             raise UnsupportedSchemeError(reason)
         ks = self.check_riflex_options(mode, riflex_k, train)
+        selected = self.check_axes(mode, axes, train)
+        options = self.check_added_mode_options(mode, **mode_options)
         self.train_grid_size = train
         self.extrapolation, self.yarn_alpha, self.yarn_beta = mode, alpha, beta
         self.riflex_k = ks
+        self.extrapolation_axes = selected
+        self.mode_options = options
+
+    def check_added_mode_options(self, mode: str, **options: object) -> dict:
+        """The options of a mode the scheme adds to :data:`EXTRAPOLATION_MODES`, validated (none here: any option
+        is refused, as a setting that would change nothing); kept as ``mode_options`` by :meth:`set_extrapolation`."""
+        if options:
+            raise UnsupportedSchemeError(
+                f"{type(self).__name__} takes no option {sorted(options)} for extrapolation={mode!r}"
+            )
+        return {}
+
+    def axis_names(self, train_grid_size: Sequence[int] | None = None) -> tuple[str, ...]:
+        """The names of the coordinate axes, in grid order (:data:`AXIS_NAMES` by the grid's rank)."""
+        train = train_grid_size or self.train_grid_size
+        rank = len(train) if train is not None else self._grid_ranks()[0]
+        return AXIS_NAMES.get(rank, tuple(f"axis{a}" for a in range(rank)))
+
+    def check_axes(
+        self, mode: str, axes: Sequence[str] | None, train_grid_size: Sequence[int] | None = None
+    ) -> tuple[int, ...] | None:
+        """``axes`` (names, see :meth:`axis_names`) as grid indices, None for every axis; a ValueError names an
+        axis the scheme does not have, a repeated one, or ``axes`` with ``mode="none"``."""
+        if axes is None:
+            return None
+        if mode == "none":
+            raise ValueError(f"axes applies to an extrapolation mode other than 'none', got axes={axes!r}")
+        if isinstance(axes, str) or not isinstance(axes, (tuple, list)) or not axes:
+            raise TypeError(f"axes must be a non-empty sequence of axis names, got {type(axes).__name__} ({axes!r})")
+        names = self.axis_names(train_grid_size)
+        unknown = [a for a in axes if a not in names]
+        if unknown:
+            raise ValueError(
+                f"axes must name axes of {type(self).__name__}, which has {names}, got {tuple(axes)} "
+                f"({', '.join(map(repr, unknown))} not among them)"
+            )
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"axes must not repeat an axis, got {tuple(axes)}")
+        return tuple(sorted(names.index(a) for a in axes))
 
     def _yarn_ramp(
         self, alpha: float | None, beta: float | None, names: tuple[str, str] = ("alpha", "beta")
@@ -460,6 +522,12 @@ class Extrapolation(nn.Module):
                 f"{name} supports extrapolation modes {self.supported_extrapolation}, got 'riflex': RIFLEx edits one "
                 "band per axis and needs an axial spectrum (each rotary pair turning with one axis, as RoPE-Axial)"
             )
+        if mode in DIFFUSION_MODES and mode not in self.supported_extrapolation:
+            return (
+                f"{name} supports extrapolation modes {self.supported_extrapolation}, got {mode!r}: it schedules the "
+                "extrapolation over the diffusion timestep, a mode of the rotary of a diffusion transformer patched "
+                "by visionpe.integrations.diffusers"
+            )
         if mode not in self.supported_extrapolation:
             return (
                 f"{name} supports extrapolation modes {self.supported_extrapolation}, got {mode!r}: "
@@ -503,6 +571,9 @@ class Extrapolation(nn.Module):
                 f"grid_size {tuple(grid_size)} and the training grid {self.train_grid_size} have different ranks"
             )
         factors = axis_scale_factors(grid_size, self.train_grid_size)
+        selected = getattr(self, "extrapolation_axes", None)
+        if selected is not None:
+            factors = tuple(s if a in selected else 1.0 for a, s in enumerate(factors))
         return None if all(s <= 1 for s in factors) else factors
 
     def adjust_frequencies(self, freqs: torch.Tensor, grid_size: Sequence[int] | None) -> tuple[torch.Tensor, float]:
@@ -538,12 +609,19 @@ def set_extrapolation(
     beta: float | None = None,
     train_grid_size: Sequence[int] | None = None,
     riflex_k: int | Sequence[int | None] | None = None,
+    axes: Sequence[str] | None = None,
+    dype_method: str | None = None,
+    dype_exponent: float | None = None,
 ) -> list[str]:
     """Switch the extrapolation mode of every rotary scheme in ``model``; returns the names switched.
 
     ``alpha``, ``beta`` (``mode="yarn"`` only): YaRN's ramp bounds. ``riflex_k`` (``mode="riflex"`` only): RIFLEx's
     band per coordinate axis, see :func:`check_riflex_k`. ``train_grid_size``: the training grid the factors are
-    relative to (an int: the same on every axis). An option the mode does not read, a model without a scheme that
+    relative to (an int: the same on every axis). ``axes``: the names of the coordinate axes the mode applies to
+    (``("height", "width")``, ``("time",)``; None: every axis), the others keep their frequencies. ``dype_method``
+    and ``dype_exponent`` (``mode="dype"`` only, a diffusion transformer patched by
+    :func:`visionpe.integrations.diffusers.apply_position_scheme`): DyPE's base method (``"yarn"`` or ``"ntk"``)
+    and its schedule's exponent (lambda_t). An option the mode does not read, a model without a scheme that
     extrapolates, or a mode one of its schemes does not implement raises
     :class:`~visionpe.contract.UnsupportedSchemeError` (a ValueError), and nothing is switched.
 
@@ -563,9 +641,12 @@ def set_extrapolation(
             f"{type(model).__name__} has no rotary scheme with extrapolation modes (the rotary schemes of "
             "visionpe.list_schemes('rotary') but SeqPE), so set_extrapolation would change nothing"
         )
-    if not isinstance(mode, str) or mode not in EXTRAPOLATION_MODES:
-        raise ValueError(f"extrapolation must be one of {EXTRAPOLATION_MODES}, got {mode!r}")
-    check_mode_options(mode, alpha=alpha, beta=beta, riflex_k=riflex_k)
+    if not isinstance(mode, str) or mode not in EXTRAPOLATION_MODES + DIFFUSION_MODES:
+        raise ValueError(f"extrapolation must be one of {EXTRAPOLATION_MODES + DIFFUSION_MODES}, got {mode!r}")
+    check_mode_options(
+        mode, alpha=alpha, beta=beta, riflex_k=riflex_k, axes=axes, dype_method=dype_method, dype_exponent=dype_exponent
+    )
+    mode_options = {k: v for k, v in (("dype_method", dype_method), ("dype_exponent", dype_exponent)) if v is not None}
     if is_int(train_grid_size):
         check_int(train_grid_size, "train_grid_size", min=1)
     elif train_grid_size is not None:
@@ -576,6 +657,16 @@ def set_extrapolation(
         if reason is not None:
             raise UnsupportedSchemeError(f"{name or type(module).__name__}: {reason}")
         module.check_riflex_options(mode, riflex_k, train)
+        module.check_axes(mode, axes, train or module.train_grid_size)
+        module.check_added_mode_options(mode, **mode_options)
     for _, module in targets:
-        module.set_extrapolation(mode, alpha=alpha, beta=beta, train_grid_size=train_grid_size, riflex_k=riflex_k)
+        module.set_extrapolation(
+            mode,
+            alpha=alpha,
+            beta=beta,
+            train_grid_size=train_grid_size,
+            riflex_k=riflex_k,
+            axes=axes,
+            **mode_options,
+        )
     return [name for name, _ in targets]

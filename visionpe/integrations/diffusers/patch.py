@@ -1,0 +1,212 @@
+"""Patch a diffusers transformer's rotary with visionpe's, and restore it.
+
+One :class:`DiffusionFamily` per diffusers model family says where the model keeps its rotary module, how to build
+visionpe's replacement (a module taking the same inputs and returning the same cos / sin layout, its
+:class:`~visionpe.integrations.diffusers.rotary.DiffusionRotary` computing them) and how the model's ``timestep``
+argument maps to DyPE's t in [0, 1]. :func:`apply_position_scheme` finds the family of a model by its class,
+swaps the module and registers a forward pre-hook that hands the timestep to the rotary at every call (the pipeline
+call stays as it was); :func:`remove_position_scheme` puts the model's own module back.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...checks import check_float
+from .rotary import DiffusionRotary
+
+__all__ = [
+    "DIFFUSERS_FAMILIES",
+    "DiffusionFamily",
+    "PatchReport",
+    "apply_position_scheme",
+    "find_diffusers_family",
+    "patched_rotary",
+    "register_family",
+    "remove_position_scheme",
+]
+
+_STATE = "_visionpe_diffusers_patch"
+
+
+@dataclass(frozen=True)
+class DiffusionFamily:
+    """How visionpe patches one family of diffusers transformers.
+
+    Attributes:
+        name: the family's name (``"flux"``).
+        class_names: the diffusers classes of the family (matched by class name along the model's MRO, so a
+            subclass is found too).
+        attribute: the attribute holding the model's rotary module (``"pos_embed"``, ``"rope"``).
+        build: ``build(model, own_module, train_grid_size) -> nn.Module``: visionpe's replacement, with the same
+            call signature and outputs as ``own_module``; it holds a :class:`DiffusionRotary`.
+        timestep_scale: the factor taking the forward's ``timestep`` argument to DyPE's t in [0, 1] (1 for Flux,
+            whose pipeline passes sigma; 1 / 1000 for those passing the scheduler's timestep in [0, 1000]).
+        axis_names: the rotary's axes, for the docs and errors.
+        default_train_grid: the released checkpoint's training grid in positions per axis (the modes' reference),
+            used when ``train_grid_size`` is not given.
+        own_module_class: the class name of the rotary module the family's models hold (checked before patching).
+    """
+
+    name: str
+    class_names: tuple[str, ...]
+    attribute: str
+    build: Callable[[nn.Module, nn.Module, tuple[int, ...] | None], nn.Module]
+    timestep_scale: float
+    axis_names: tuple[str, ...]
+    default_train_grid: tuple[int, ...]
+    own_module_class: str
+    notes: str = field(default="", compare=False)
+
+    def matches(self, model: nn.Module) -> bool:
+        return any(cls.__name__ in self.class_names for cls in type(model).__mro__)
+
+
+#: every family visionpe patches, by name (filled by the family modules)
+DIFFUSERS_FAMILIES: dict[str, DiffusionFamily] = {}
+
+
+def register_family(family: DiffusionFamily) -> DiffusionFamily:
+    """Add ``family`` to :data:`DIFFUSERS_FAMILIES` (a name registered twice raises)."""
+    if family.name in DIFFUSERS_FAMILIES:
+        raise ValueError(f"a diffusers family named {family.name!r} is already registered")
+    DIFFUSERS_FAMILIES[family.name] = family
+    return family
+
+
+def _supported() -> str:
+    return ", ".join(f"{c} ({f.name})" for f in DIFFUSERS_FAMILIES.values() for c in f.class_names)
+
+
+def find_diffusers_family(model: Any) -> DiffusionFamily:
+    """The family of ``model``; a TypeError names its class and the supported ones for any other object."""
+    if isinstance(model, nn.Module):
+        for family in DIFFUSERS_FAMILIES.values():
+            if family.matches(model):
+                return family
+    raise TypeError(
+        f"transformer must be a diffusers transformer of a supported family, got {type(model).__name__}; "
+        f"supported: {_supported()}"
+    )
+
+
+@dataclass
+class PatchReport:
+    """What :func:`apply_position_scheme` did: the family, the module replaced and the rotary now in place."""
+
+    family: str
+    attribute: str
+    rotary: DiffusionRotary
+    train_grid_size: tuple[int, ...]
+
+
+@dataclass
+class _PatchState:
+    family: DiffusionFamily
+    own_module: nn.Module
+    hook: Any
+
+
+def patched_rotary(transformer: nn.Module) -> DiffusionRotary:
+    """The :class:`DiffusionRotary` of a transformer patched by :func:`apply_position_scheme` (a ValueError for an
+    unpatched one)."""
+    state = getattr(transformer, _STATE, None)
+    if state is None:
+        raise ValueError(
+            f"{type(transformer).__name__} is not patched by visionpe: call "
+            "visionpe.integrations.diffusers.apply_position_scheme(transformer) first"
+        )
+    module = getattr(transformer, state.family.attribute)
+    return next(m for m in module.modules() if isinstance(m, DiffusionRotary))
+
+
+def _timestep_hook(rotary: DiffusionRotary, scale: float, position: int) -> Callable:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        timestep = kwargs.get("timestep", args[position] if len(args) > position else None)
+        if timestep is None:
+            rotary.timestep = None
+            return
+        if not isinstance(timestep, torch.Tensor):
+            timestep = torch.tensor(float(timestep))
+        # one timestep per call (a batch is denoised at one step); DyPE's t in [0, 1]
+        rotary.timestep = (
+            timestep.detach().reshape(-1)[0].to(torch.float64 if timestep.device.type != "mps" else torch.float32)
+            * scale
+        ).clamp(0, 1)
+
+    return hook
+
+
+def _timestep_position(model: nn.Module) -> int:
+    names = list(inspect.signature(type(model).forward).parameters)[1:]
+    return names.index("timestep") if "timestep" in names else len(names)
+
+
+def apply_position_scheme(
+    transformer: nn.Module,
+    scheme: str | None = None,
+    *,
+    train_grid_size: Sequence[int] | None = None,
+) -> PatchReport:
+    """Express a diffusers transformer's rotary in visionpe, in place; ``visionpe.set_extrapolation`` then sets its
+    modes per axis (PI, NTK, YaRN, RIFLEx, DyPE).
+
+    Args:
+        transformer: a diffusers transformer of a family in :data:`DIFFUSERS_FAMILIES`.
+        scheme: None: the model's own encoding, exactly (the denoiser's output equals the original's to float
+            rounding at any size until a mode is set).
+        train_grid_size: the grid the modes' factors are relative to, in positions per axis of the rotary (the
+            family's ``axis_names``); None: the released checkpoint's (``DiffusionFamily.default_train_grid``).
+
+    Returns:
+        A :class:`PatchReport`.
+
+    Raises:
+        TypeError: ``transformer`` is not of a supported family (the message lists them).
+        ValueError: the model is patched already, a scheme other than None, or a bad ``train_grid_size``.
+    """
+    family = find_diffusers_family(transformer)
+    if getattr(transformer, _STATE, None) is not None:
+        raise ValueError(f"{type(transformer).__name__} is patched already; remove_position_scheme(transformer) first")
+    if scheme is not None:
+        raise ValueError(f"scheme must be None (the model's own rotary, expressed in visionpe), got {scheme!r}")
+    own = getattr(transformer, family.attribute, None)
+    if own is None or type(own).__name__ != family.own_module_class:
+        raise TypeError(
+            f"{type(transformer).__name__}.{family.attribute} must be diffusers' {family.own_module_class} "
+            f"for visionpe to replace it, got {type(own).__name__}"
+        )
+    replacement = family.build(transformer, own, None if train_grid_size is None else tuple(train_grid_size))
+    rotary = next((m for m in replacement.modules() if isinstance(m, DiffusionRotary)), None)
+    if rotary is None:
+        raise TypeError(f"the {family.name} family built {type(replacement).__name__}, which holds no DiffusionRotary")
+    check_float(family.timestep_scale, "timestep_scale", min=0, min_open=True)
+    param = next(iter(own.parameters()), None) or next(iter(transformer.parameters()), None)
+    if param is not None:
+        replacement.to(device=param.device)
+    setattr(transformer, family.attribute, replacement)
+    hook = transformer.register_forward_pre_hook(
+        _timestep_hook(rotary, family.timestep_scale, _timestep_position(transformer)), with_kwargs=True
+    )
+    object.__setattr__(transformer, _STATE, _PatchState(family, own, hook))
+    return PatchReport(family.name, family.attribute, rotary, rotary.train_grid_size)
+
+
+def remove_position_scheme(transformer: nn.Module) -> nn.Module:
+    """Put back the rotary module the transformer had before :func:`apply_position_scheme`; returns the transformer.
+
+    A ValueError for a transformer visionpe did not patch.
+    """
+    state = getattr(transformer, _STATE, None)
+    if state is None:
+        raise ValueError(f"{type(transformer).__name__} is not patched by visionpe; nothing to remove")
+    state.hook.remove()
+    setattr(transformer, state.family.attribute, state.own_module)
+    object.__delattr__(transformer, _STATE)
+    return transformer

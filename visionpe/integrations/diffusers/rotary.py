@@ -1,0 +1,333 @@
+"""The axial rotary of a diffusion transformer, expressed in visionpe: its axes, their channels and bases, and every
+extrapolation mode on top of them, DyPE's timestep schedule included.
+
+The image and video DiTs of diffusers (Flux, Qwen-Image, Wan, HunyuanVideo, CogVideoX) share one rotary: the head's
+channels are cut into one block per coordinate axis (Flux: index, height, width with 16, 56, 56 channels), block a
+rotates its pairs with the frequencies theta_a^(-2j/d_a), j < d_a / 2, times the token's position on that axis, and
+the pairs are interleaved channels (2j, 2j + 1). :class:`DiffusionRotary` holds those axes and computes the
+per-token cos and sin as the models do (in their frequency dtype: float64 where they use it), so a patched model
+equals the original to float rounding; its mode (``visionpe.set_extrapolation`` on the patched transformer) edits
+the frequencies of the axes it names.
+
+DyPE (Issachar, Yariv, Benaim, Adi, Lischinski, Fattal, "DyPE: Dynamic Position Extrapolation for Ultra High
+Resolution Diffusion", arXiv 2510.20766, 2025) schedules an extrapolation over the diffusion timestep t in [0, 1]
+(1: pure noise): at t = 1 the full extrapolation, towards t = 0 the model's own frequencies for ever more bands
+(:func:`dype_frequencies`, as its released code computes it for Flux).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ...checks import check_choice, check_float, check_int
+from ...contract import UnsupportedSchemeError
+from ...grid import validate_grid_size
+from ...rotary.scaling import SCALING_MODES, Extrapolation
+
+__all__ = ["DYPE_METHODS", "DiffusionRotary", "dype_frequencies", "rope_frequencies"]
+
+#: DyPE's base methods: YaRN's two ramps (the paper's DY-YaRN) or an NTK base (DY-NTK)
+DYPE_METHODS = ("yarn", "ntk")
+
+
+def rope_frequencies(dim: int, theta: float, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
+    """The (dim / 2,) frequencies 1 / theta^(2j / dim) of one axis, computed as diffusers computes them (the power
+    in ``dtype``, then its reciprocal)."""
+    check_int(dim, "dim", min=2)
+    if dim % 2:
+        raise ValueError(f"dim must be even (2 channels per rotary pair), got {dim}")
+    check_float(theta, "theta", min=0, min_open=True, expected="a positive finite number")
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=dtype, device=device)[: dim // 2] / dim))
+
+
+def _correction_range(
+    low_ratio: torch.Tensor, high_ratio: torch.Tensor, dim: int, theta: float, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # the band index at which a band turns `ratio` times over `length` positions (YaRN's inverse-dim formula),
+    # floored (low) and ceiled (high), clamped to [0, dim / 2]
+    def band(ratio: torch.Tensor) -> torch.Tensor:
+        return dim * torch.log(length / (ratio * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = torch.floor(band(low_ratio)).clamp(min=0)
+    high = torch.ceil(band(high_ratio)).clamp(max=dim - 1).clamp(max=dim // 2)
+    return low, high
+
+
+def _ramp(low: torch.Tensor, high: torch.Tensor, count: int, dtype: torch.dtype) -> torch.Tensor:
+    # 0 up to band `low`, 1 from band `high`, linear in between (a zero-width ramp is widened by 0.001)
+    high = torch.where(high == low, high + 0.001, high)
+    index = torch.arange(count, dtype=torch.float32, device=low.device)
+    return ((index - low.float()) / (high.float() - low.float())).clamp(0, 1).to(dtype)
+
+
+def dype_frequencies(
+    dim: int,
+    theta: float,
+    train_length: int,
+    length: int | float,
+    timestep: float | torch.Tensor,
+    method: str = "yarn",
+    exponent: float = 2.0,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DyPE's frequencies of one axis at diffusion timestep ``timestep`` (1: pure noise, 0: clean), and the cos/sin
+    multiplier: ``(freqs (dim / 2,), mscale (0-d))``.
+
+    With s = length / train_length (nothing changes when s <= 1) and the schedule kappa(t) = lambda t^lambda
+    (lambda = ``exponent``; 2 in the released code):
+
+    - ``"yarn"`` (DY-YaRN): YaRN's two ramps over the band index, each bound raised to the power kappa(t): between
+      position interpolation (theta_j / s) and an NTK base theta s^(d / (d - 2)) with the bounds 1.25^kappa and
+      0.75^kappa turns over the training length, then between that and the original frequencies with 16^kappa
+      and 2^kappa turns; the bands cut by the floor and ceiling of YaRN's inverse-dim formula. cos and sin are
+      multiplied by 0.1 ln s + 1 at every timestep.
+    - ``"ntk"`` (DY-NTK): the base theta times (s^(d / (d - 2)))^kappa(t) (at least theta); no multiplier.
+
+    At t = 0, kappa = 0: every bound is 1 (the ramps collapse) and the NTK factor is 1, so the late steps see
+    nearly the model's own frequencies; at t = 1 the extrapolation is YaRN's (or NTK's) with bounds raised to lambda.
+
+    Args:
+        dim: the axis' rotary channels (2 per pair).
+        theta: the axis' RoPE base.
+        train_length: the training length of the axis in positions (the released code's ``ori_max_pe_len``, 64 for
+            Flux at 1024 px).
+        length: the current length (largest position + 1).
+        timestep: t in [0, 1], a float or a 0-d tensor (a tensor keeps the computation on the device, without a
+            host sync).
+        method: one of :data:`DYPE_METHODS`.
+        exponent: lambda_t > 0.
+        dtype: the frequencies' dtype (float64 as the released code on CPU and CUDA).
+
+    Example:
+        >>> f0, m0 = dype_frequencies(8, 10000.0, 4, 8, 0.0)
+        >>> f1, m1 = dype_frequencies(8, 10000.0, 4, 8, 1.0)
+        >>> bool((f1 <= f0).all()), round(float(m1), 4)
+        (True, 1.0693)
+    """
+    check_int(dim, "dim", min=4)
+    check_int(train_length, "train_length", min=1)
+    check_float(length, "length", min=0, min_open=True, expected="a positive number of positions")
+    check_choice(method, "method", DYPE_METHODS)
+    check_float(exponent, "exponent", min=0, min_open=True, expected="a positive number (DyPE's lambda_t)")
+    base = rope_frequencies(dim, theta, dtype)
+    t = timestep if isinstance(timestep, torch.Tensor) else torch.tensor(float(timestep))
+    if not isinstance(timestep, torch.Tensor):
+        check_float(timestep, "timestep", min=0, max=1, expected="a diffusion timestep in [0, 1]")
+    t = t.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    one = torch.ones((), dtype=dtype)
+    if length <= train_length:
+        return base, one
+    scale = float(length) / train_length
+    kappa = exponent * t**exponent
+    index = torch.arange(0, dim, 2, dtype=dtype)[: dim // 2] / dim
+    if method == "ntk":
+        factor = torch.clamp_min((scale ** (dim / (dim - 2))) ** kappa, 1.0).to(dtype)
+        return 1.0 / ((theta * factor) ** index), one
+    linear = 1.0 / (scale * theta**index)
+    ntk = 1.0 / ((theta * scale ** (dim / (dim - 2))) ** index)
+    low, high = _correction_range(1.25**kappa, 0.75**kappa, dim, theta, train_length)
+    mask = 1 - _ramp(low, high, dim // 2, dtype)
+    freqs = linear * (1 - mask) + ntk * mask
+    low, high = _correction_range(16**kappa, 2**kappa, dim, theta, train_length)
+    mask = 1 - _ramp(low, high, dim // 2, dtype)
+    freqs = freqs * (1 - mask) + base * mask
+    return freqs, torch.tensor(0.1 * math.log(scale) + 1.0, dtype=dtype)
+
+
+class DiffusionRotary(Extrapolation):
+    """A diffusion transformer's axial RoPE: one block of ``axes_dim[a]`` interleaved channels per axis, base
+    ``theta[a]``; positions in, per-token cos and sin out, under the mode set by :func:`visionpe.set_extrapolation`.
+
+    Args:
+        axes_dim: the channels of each axis' block, in the model's order (each even).
+        theta: the base, one for every axis or one per axis.
+        axis_names: the axes' names (``("index", "height", "width")`` for Flux, ``("time", "height", "width")`` for
+            the video models); :func:`~visionpe.set_extrapolation`'s ``axes`` takes them.
+        train_grid_size: the training length of each axis in positions (the grid the modes' factors are relative
+            to); None: given later to ``set_extrapolation(..., train_grid_size=...)``.
+        fixed_axes: axes no mode may scale (Flux's index axis, which numbers images rather than measuring a side).
+        freqs_dtype: the dtype of the frequencies and angles (float64 for Flux and Wan on CPU and CUDA, float32 for
+            HunyuanVideo and CogVideoX), as the model computes them.
+
+    The modes: the scaling modes (``pi``, ``ntk``, ``yarn``), ``riflex`` (an axial spectrum: the band k of each
+    named axis) and ``dype`` (:func:`dype_frequencies`, reading :attr:`timestep`, which the patched model sets at
+    every forward call from its ``timestep`` argument).
+    """
+
+    axial_spectrum = True
+
+    def __init__(
+        self,
+        axes_dim: Sequence[int],
+        theta: float | Sequence[float],
+        axis_names: Sequence[str],
+        train_grid_size: Sequence[int] | None = None,
+        *,
+        fixed_axes: Sequence[str] = (),
+        freqs_dtype: torch.dtype = torch.float64,
+    ) -> None:
+        super().__init__()
+        if isinstance(axes_dim, (str, bytes)) or not isinstance(axes_dim, Sequence) or not axes_dim:
+            raise TypeError(f"axes_dim must be a non-empty sequence of ints, got {axes_dim!r}")
+        self.axes_dim = tuple(check_int(d, f"axes_dim[{a}]", min=2) for a, d in enumerate(axes_dim))
+        odd = [d for d in self.axes_dim if d % 2]
+        if odd:
+            raise ValueError(f"axes_dim must be even (2 channels per rotary pair), got {self.axes_dim}")
+        thetas = (theta,) * len(self.axes_dim) if isinstance(theta, (int, float)) else tuple(theta)
+        if len(thetas) != len(self.axes_dim):
+            raise ValueError(f"theta must be one base or one per axis ({len(self.axes_dim)}), got {theta!r}")
+        self.thetas = tuple(
+            check_float(t, f"theta[{a}]", min=0, min_open=True, expected="a positive base")
+            for a, t in enumerate(thetas)
+        )
+        names = tuple(axis_names)
+        if len(names) != len(self.axes_dim) or len(set(names)) != len(names):
+            raise ValueError(f"axis_names must name each of the {len(self.axes_dim)} axes once, got {axis_names!r}")
+        self.names = names
+        unknown = [a for a in fixed_axes if a not in names]
+        if unknown:
+            raise ValueError(f"fixed_axes must be among axis_names {names}, got {tuple(fixed_axes)}")
+        self.fixed_axes = tuple(fixed_axes)
+        if freqs_dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"freqs_dtype must be torch.float32 or torch.float64, got {freqs_dtype}")
+        self.freqs_dtype = freqs_dtype
+        self.ndims = (len(self.axes_dim),)
+        #: the diffusion timestep in [0, 1] (1: pure noise), set by the patched model at every call; read by DyPE
+        self.timestep: float | torch.Tensor | None = None
+        self.init_extrapolation("none", train_grid_size)
+
+    @property
+    def dim(self) -> int:
+        """The rotated channels of a head: the sum of ``axes_dim``."""
+        return sum(self.axes_dim)
+
+    @property
+    def supported_extrapolation(self) -> tuple[str, ...]:
+        return SCALING_MODES + ("riflex", "dype")
+
+    def accepted_extrapolation(self) -> tuple[str, ...]:
+        return tuple(mode for mode in self.supported_extrapolation if self.extrapolation_refusal(mode) is None)
+
+    def axis_names(self, train_grid_size: Sequence[int] | None = None) -> tuple[str, ...]:
+        return self.names
+
+    def check_axes(
+        self, mode: str, axes: Sequence[str] | None, train_grid_size: Sequence[int] | None = None
+    ) -> tuple[int, ...] | None:
+        """As :meth:`Extrapolation.check_axes`; an axis in ``fixed_axes`` is refused, and None selects every other
+        axis."""
+        fixed = [a for a in (axes or ()) if a in self.fixed_axes]
+        if fixed:
+            raise ValueError(
+                f"axes must name axes a mode may scale, {tuple(n for n in self.names if n not in self.fixed_axes)}; "
+                f"{fixed[0]!r} numbers the images rather than measuring a side, got axes={tuple(axes)}"
+            )
+        selected = super().check_axes(mode, axes, train_grid_size)
+        if selected is None and self.fixed_axes:
+            return tuple(a for a, n in enumerate(self.names) if n not in self.fixed_axes)
+        return selected
+
+    def check_added_mode_options(self, mode: str, **options: object) -> dict:
+        """DyPE's options: ``dype_method`` (:data:`DYPE_METHODS`, default ``"yarn"``) and ``dype_exponent``
+        (lambda_t > 0, default 2, as the released code)."""
+        unknown = sorted(set(options) - {"dype_method", "dype_exponent"})
+        if unknown or (options and mode != "dype"):
+            raise UnsupportedSchemeError(
+                f"{type(self).__name__} takes dype_method and dype_exponent with extrapolation='dype' only, "
+                f"got extrapolation={mode!r} and {sorted(options)}"
+            )
+        if mode != "dype":
+            return {}
+        method = check_choice(options.get("dype_method", "yarn"), "dype_method", DYPE_METHODS)
+        exponent = check_float(
+            options.get("dype_exponent", 2.0), "dype_exponent", min=0, min_open=True, expected="a positive number"
+        )
+        return {"dype_method": method, "dype_exponent": exponent}
+
+    def frequencies(self) -> torch.Tensor:
+        """(ndim, P) frequencies, P = sum(axes_dim) / 2: row a holds axis a's frequencies on its block of pairs and
+        zeros elsewhere (an axial spectrum)."""
+        out = torch.zeros(len(self.axes_dim), self.dim // 2, dtype=self.freqs_dtype)
+        start = 0
+        for a, (d, theta) in enumerate(zip(self.axes_dim, self.thetas, strict=True)):
+            out[a, start : start + d // 2] = rope_frequencies(d, theta, self.freqs_dtype)
+            start += d // 2
+        return out
+
+    def axis_frequencies(self, grid_size: Sequence[int] | None) -> list[tuple[torch.Tensor, torch.Tensor | float]]:
+        """Per axis, its (d_a / 2,) frequencies under the current mode for a grid of ``grid_size`` positions per
+        axis, and the multiplier of its cos and sin (YaRN's on every axis, DyPE's per axis, 1 otherwise)."""
+        if self.extrapolation == "none" or grid_size is None:
+            return [
+                (rope_frequencies(d, t, self.freqs_dtype), 1.0) for d, t in zip(self.axes_dim, self.thetas, strict=True)
+            ]
+        grid_size = validate_grid_size(grid_size, ndims=self.ndims)
+        if self.extrapolation == "dype":
+            return self._dype(grid_size)
+        freqs, mscale = self.adjust_frequencies(self.frequencies(), grid_size)
+        out, start = [], 0
+        for a, d in enumerate(self.axes_dim):
+            out.append((freqs[a, start : start + d // 2], mscale))
+            start += d // 2
+        return out
+
+    def _dype(self, grid_size: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor | float]]:
+        if self.timestep is None:
+            raise RuntimeError(
+                "extrapolation='dype' reads the diffusion timestep, which the patched transformer sets at every call "
+                "from its timestep argument; set DiffusionRotary.timestep to run the rotary on its own"
+            )
+        selected = self.extrapolation_axes
+        out = []
+        for a, (d, theta) in enumerate(zip(self.axes_dim, self.thetas, strict=True)):
+            if (selected is not None and a not in selected) or grid_size[a] <= self.train_grid_size[a]:
+                out.append((rope_frequencies(d, theta, self.freqs_dtype), 1.0))
+                continue
+            out.append(
+                dype_frequencies(
+                    d,
+                    theta,
+                    self.train_grid_size[a],
+                    grid_size[a],
+                    self.timestep,
+                    self.mode_options["dype_method"],
+                    self.mode_options["dype_exponent"],
+                    self.freqs_dtype,
+                )
+            )
+        return out
+
+    def cos_sin(
+        self, positions: torch.Tensor, grid_size: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token cos and sin, (S, dim) float32 each, every pair's value repeated on its two channels
+        (diffusers' ``repeat_interleave_real``), the axes' blocks in order.
+
+        Args:
+            positions: (S, ndim) positions (float or int; fractional positions are taken as they are).
+            grid_size: the number of positions per axis of the current input, which the modes compare with the
+                training grid; None: the mode is not applied (as at the training size).
+        """
+        if not isinstance(positions, torch.Tensor) or positions.ndim != 2 or positions.shape[1] != len(self.axes_dim):
+            raise ValueError(
+                f"positions must be a (S, {len(self.axes_dim)}) tensor, got {getattr(positions, 'shape', positions)}"
+            )
+        dtype = self.freqs_dtype if positions.device.type != "mps" else torch.float32
+        cos, sin = [], []
+        for a, (freqs, mscale) in enumerate(self.axis_frequencies(grid_size)):
+            angle = positions[:, a].float().to(dtype)[:, None] * freqs.to(device=positions.device, dtype=dtype)
+            c, s = angle.cos(), angle.sin()
+            if not (isinstance(mscale, float) and mscale == 1.0):
+                c, s = c * mscale, s * mscale
+            cos.append(c.repeat_interleave(2, dim=1).float())
+            sin.append(s.repeat_interleave(2, dim=1).float())
+        return torch.cat(cos, dim=1), torch.cat(sin, dim=1)
+
+    def extra_repr(self) -> str:
+        return (
+            f"axes={dict(zip(self.names, self.axes_dim, strict=True))}, theta={self.thetas}, "
+            f"train_grid_size={self.train_grid_size}, extrapolation={self.extrapolation!r}"
+        )
