@@ -245,7 +245,7 @@ def test_readme_summary_names_every_scheme_and_design_by_kind():
     "path, header",
     [
         ("docs/multimodal.md", ("scheme", "design")),
-        ("docs/schemes.md", ("scheme", "paper", "good for")),
+        ("docs/schemes.md", ("scheme", "paper", "when to pick")),
     ],
 )
 def test_multimodal_tables_list_every_registered_design(path, header):
