@@ -30,6 +30,7 @@ from .patch import (
     remove_position_scheme,
 )
 from .rotary import DYPE_METHODS, DiffusionRotary, dype_frequencies, rope_frequencies
+from .tables import PIXART, SD3  # noqa: F401  (registers the families)
 
 __all__ = [
     "DIFFUSERS_FAMILIES",

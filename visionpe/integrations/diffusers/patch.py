@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ...checks import check_float
+from ...rotary.scaling import Extrapolation
 from .rotary import DiffusionRotary
 
 __all__ = [
@@ -113,9 +114,10 @@ class _PatchState:
     hook: Any
 
 
-def patched_rotary(transformer: nn.Module) -> DiffusionRotary:
-    """The :class:`DiffusionRotary` of a transformer patched by :func:`apply_position_scheme` (a ValueError for an
-    unpatched one)."""
+def patched_rotary(transformer: nn.Module) -> DiffusionRotary | Extrapolation:
+    """The :class:`DiffusionRotary` of a transformer patched by :func:`apply_position_scheme` (the table module of a
+    model with a position table, an :class:`~visionpe.rotary.scaling.Extrapolation` too); a ValueError for an
+    unpatched one."""
     state = getattr(transformer, _STATE, None)
     if state is None:
         raise ValueError(
@@ -123,7 +125,7 @@ def patched_rotary(transformer: nn.Module) -> DiffusionRotary:
             "visionpe.integrations.diffusers.apply_position_scheme(transformer) first"
         )
     module = getattr(transformer, state.family.attribute)
-    return next(m for m in module.modules() if isinstance(m, DiffusionRotary))
+    return next(m for m in module.modules() if isinstance(m, Extrapolation))
 
 
 def _timestep_hook(rotary: DiffusionRotary, scale: float, position: int) -> Callable:
@@ -183,11 +185,14 @@ def apply_position_scheme(
             f"for visionpe to replace it, got {type(own).__name__}"
         )
     replacement = family.build(transformer, own, None if train_grid_size is None else tuple(train_grid_size))
-    rotary = next((m for m in replacement.modules() if isinstance(m, DiffusionRotary)), None)
+    rotary = next((m for m in replacement.modules() if isinstance(m, Extrapolation)), None)
     if rotary is None:
-        raise TypeError(f"the {family.name} family built {type(replacement).__name__}, which holds no DiffusionRotary")
+        raise TypeError(
+            f"the {family.name} family built {type(replacement).__name__}, which holds no DiffusionRotary (nor "
+            "another Extrapolation module, as a position table)"
+        )
     check_float(family.timestep_scale, "timestep_scale", min=0, min_open=True)
-    param = next(iter(own.parameters()), None) or next(iter(transformer.parameters()), None)
+    param = next(iter(transformer.parameters()), None)
     if param is not None:
         replacement.to(device=param.device)
     setattr(transformer, family.attribute, replacement)
