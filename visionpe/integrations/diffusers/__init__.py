@@ -20,6 +20,8 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     ) from error
 
 from . import flux  # noqa: F401  (registers the family)
+from .cogvideox import COGVIDEOX  # noqa: F401  (registers the family)
+from .hunyuan_video import HUNYUAN_VIDEO  # noqa: F401  (registers the family)
 from .patch import (
     DIFFUSERS_FAMILIES,
     DiffusionFamily,
@@ -31,6 +33,7 @@ from .patch import (
 )
 from .rotary import DYPE_METHODS, DiffusionRotary, dype_frequencies, rope_frequencies
 from .tables import PIXART, SD3  # noqa: F401  (registers the families)
+from .wan import WAN  # noqa: F401  (registers the family)
 
 __all__ = [
     "DIFFUSERS_FAMILIES",
