@@ -21,6 +21,7 @@ from torch import nn
 from ...checks import check_float
 from ...rotary.scaling import Extrapolation
 from .rotary import DiffusionRotary
+from .swap import remove_swapped_scheme, swap_position_scheme, swapped_scheme
 
 __all__ = [
     "DIFFUSERS_FAMILIES",
@@ -155,6 +156,7 @@ def apply_position_scheme(
     scheme: str | None = None,
     *,
     train_grid_size: Sequence[int] | None = None,
+    **options: Any,
 ) -> PatchReport:
     """Express a diffusers transformer's rotary in visionpe, in place; ``visionpe.set_extrapolation`` then sets its
     modes per axis (PI, NTK, YaRN, RIFLEx, DyPE).
@@ -176,8 +178,8 @@ def apply_position_scheme(
     family = find_diffusers_family(transformer)
     if getattr(transformer, _STATE, None) is not None:
         raise ValueError(f"{type(transformer).__name__} is patched already; remove_position_scheme(transformer) first")
-    if scheme is not None:
-        raise ValueError(f"scheme must be None (the model's own rotary, expressed in visionpe), got {scheme!r}")
+    if scheme is not None or options or swapped_scheme(transformer) is not None:
+        return swap_position_scheme(transformer, family, scheme, train_grid_size, **options)
     own = getattr(transformer, family.attribute, None)
     if own is None or type(own).__name__ != family.own_module_class:
         raise TypeError(
@@ -210,6 +212,8 @@ def remove_position_scheme(transformer: nn.Module) -> nn.Module:
     """
     state = getattr(transformer, _STATE, None)
     if state is None:
+        if remove_swapped_scheme(transformer):
+            return transformer
         raise ValueError(f"{type(transformer).__name__} is not patched by visionpe; nothing to remove")
     state.hook.remove()
     setattr(transformer, state.family.attribute, state.own_module)
