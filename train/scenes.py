@@ -73,6 +73,10 @@ from visionpe.rotary.scaling import EXTRAPOLATION_MODES, set_extrapolation
 from visionpe.training.evaluate import accuracy, plot_palette
 
 SCALES = (1.0, 1.5, 2.0, 3.0, 4.0)
+#: a model below this accuracy (%) at the training size, without a mode, did not learn its task in the benchmark's
+#: budget: its row is kept and marked, rather than given a schedule of its own
+LEARNED = 95.0
+NOT_LEARNED_MARK = "†"
 FIELDS = ["task", "kind", "model", "mode", "seed", "scale", "size", "acc", "n"]
 
 
@@ -348,9 +352,22 @@ def _row_label(model: str, mode: str) -> str:
     return model if mode == "none" else f"{model} [{mode}]"
 
 
-def table_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
-    """(columns, cells) of the results table: one row per task, kind, model and mode, one column per scale."""
+def not_learned(rows: list[dict]) -> set[tuple[str, str]]:
+    """The (task, model) pairs whose mean accuracy at the training size without a mode is below :data:`LEARNED` %
+    on some kind: they did not learn the task in the benchmark's budget (NoPE on the position tasks, by design)."""
     summary = _summary(rows)
+    return {
+        (task, model)
+        for (task, _kind, model, mode, scale), (mean, *_rest) in summary.items()
+        if mode == "none" and scale == 1.0 and mean < LEARNED
+    }
+
+
+def table_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
+    """(columns, cells) of the results table: one row per task, kind, model and mode, one column per scale; a model
+    that did not learn its task (:func:`not_learned`) is marked with :data:`NOT_LEARNED_MARK`."""
+    summary = _summary(rows)
+    unlearned = not_learned(rows)
     scales = sorted({float(r["scale"]) for r in rows})
     columns = ["task", "kind", "model"] + [f"{s:g}x" for s in scales]
     body = []
@@ -364,7 +381,8 @@ def table_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
                     text = [
                         "" if c is None else (f"{c[0]:.1f} ± {c[1]:.1f}" if c[2] > 1 else f"{c[0]:.1f}") for c in cells
                     ]
-                    body.append([task, kind, _row_label(model, mode), *text])
+                    mark = f" {NOT_LEARNED_MARK}" if (task, model) in unlearned else ""
+                    body.append([task, kind, _row_label(model, mode) + mark, *text])
     return columns, body
 
 
@@ -393,6 +411,12 @@ def count_bound_note(rows: list[dict], density: float) -> str | None:
     )
 
 
+NOT_LEARNED_NOTE = (
+    f"{NOT_LEARNED_MARK}: below {LEARNED:g} % at the training size without a mode: did not learn the task in this "
+    "budget (the same protocol for every scheme; its accuracy beyond the training size says little)."
+)
+
+
 def _over_seeds(rows: list[dict]) -> str:
     """How the rows are summarised: "mean ± std over seeds 0, 1, 2", or "seed k" for a single seed."""
     seeds = sorted({int(r["seed"]) for r in rows})
@@ -416,6 +440,8 @@ def markdown(rows: list[dict], title: str, img_size: int, density: float) -> str
     note = count_bound_note(rows, density)
     if note:
         lines += ["", note]
+    if not_learned(rows):
+        lines += ["", NOT_LEARNED_NOTE]
     columns, body = table_rows(rows)
     for task in _ordered(rows, "task"):
         for kind in _ordered(rows, "kind"):
@@ -501,6 +527,8 @@ def table_notes(rows: list[dict], config: str | Path, img_size: int, density: fl
     note = count_bound_note(rows, density)
     if note:
         notes.append(note)
+    if not_learned(rows):
+        notes.append(NOT_LEARNED_NOTE)
     return notes
 
 

@@ -365,3 +365,42 @@ def test_quick_mode_says_it_measures_nothing_and_keeps_out_of_the_published_tabl
         with published_untouched(), pytest.raises(SystemExit) as exit_:
             script.main(["--config", CONFIG, *argv])
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def _row(task, kind, model, mode, seed, scale, acc):
+    return {"task": task, "kind": kind, "model": model, "mode": mode, "seed": seed, "scale": scale, "acc": acc, "n": 8}
+
+
+def test_a_model_below_the_bar_at_the_training_size_keeps_its_row_marked():
+    script = load_script("train/scenes.py")
+    rows = [
+        _row("region", kind, model, "none", seed, scale, acc)
+        for kind in ("zoom", "canvas")
+        for seed in (0, 1)
+        for model, scale, acc in [
+            ("rope_axial", 1.0, 100.0),
+            ("rope_axial", 2.0, 60.0),
+            ("slow", 1.0, 90.0 + seed * 4),  # mean 92 %: below the bar
+            ("slow", 2.0, 50.0),
+        ]
+    ]
+    assert script.not_learned(rows) == {("region", "slow")}
+    _, body = script.table_rows(rows)
+    labels = {cells[2] for cells in body}
+    assert labels == {"rope_axial", f"slow {script.NOT_LEARNED_MARK}"}
+    assert script.NOT_LEARNED_NOTE in script.table_notes(rows, CONFIG, 32, 0.3)
+    assert script.NOT_LEARNED_NOTE in script.markdown(rows, "t", 32, 0.3)
+    learned = [r for r in rows if r["model"] == "rope_axial"]
+    assert script.NOT_LEARNED_NOTE not in script.table_notes(learned, CONFIG, 32, 0.3)
+
+
+@pytest.mark.parametrize("count", [4, 15, 32])
+def test_no_two_rows_of_a_plot_share_a_colour_and_line_style(count):
+    from visionpe.training.evaluate import plot_palette
+
+    models = [f"m{i}" for i in range(count)]
+    colours, styles = plot_palette(models, ["pi", "none", "yarn"])
+    assert len({tuple(colours[m]) for m in models}) == count
+    assert styles["none"] == "-" and len(set(map(str, styles.values()))) == 3
+    with pytest.raises(ValueError, match="models must be at most 60"):
+        plot_palette([f"m{i}" for i in range(61)])

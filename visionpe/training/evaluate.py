@@ -140,19 +140,27 @@ def line_styles(labels: Iterable[str]) -> dict[str, tuple[tuple[float, ...], str
 
 
 def plot_palette(models: Iterable[str], modes: Iterable[str] = ("none",)) -> tuple[dict, dict]:
-    """({model: colour}, {mode: line style}): one colour per model (tab10, or tab20 beyond 10 models, in order) and
-    one line style per extrapolation mode, ``"none"`` (the plain model) solid and the others in order.
+    """({model: colour}, {mode: line style}): one colour per model (tab10, tab20 beyond 10 models, tab20, tab20b and
+    tab20c beyond 20, in order) and one line style per extrapolation mode, ``"none"`` (the plain model) solid and the
+    others in order: no two models share a colour, no two modes a line style.
 
     Raises:
         TypeError: ``models`` or ``modes`` is a str or holds anything but str.
+        ValueError: more models than distinct colours (60) or more modes than line styles.
     """
     models, modes = _names(models, "models"), _names(modes, "modes")
     if "none" in modes:  # the plain model keeps the solid line
         modes.remove("none")
         modes.insert(0, "none")
-    cmap = _matplotlib().colormaps["tab20" if len(models) > 10 else "tab10"]
-    colours = {m: cmap(i % cmap.N) for i, m in enumerate(models)}
-    return colours, {m: LINE_STYLES[i % len(LINE_STYLES)] for i, m in enumerate(modes)}
+    maps = _matplotlib().colormaps
+    names = ("tab10",) if len(models) <= 10 else ("tab20",) if len(models) <= 20 else ("tab20", "tab20b", "tab20c")
+    palette = [maps[name](i) for name in names for i in range(maps[name].N)]
+    if len(models) > len(palette):
+        raise ValueError(f"models must be at most {len(palette)} in one plot (distinct colours), got {len(models)}")
+    if len(modes) > len(LINE_STYLES):
+        raise ValueError(f"modes must be at most {len(LINE_STYLES)} in one plot (distinct line styles), got {modes}")
+    colours = {m: palette[i] for i, m in enumerate(models)}
+    return colours, {m: LINE_STYLES[i] for i, m in enumerate(modes)}
 
 
 def write_report(rows: list[dict], out_dir: str | Path, title: str, size_label: str = "px") -> dict[str, Path]:
