@@ -494,7 +494,8 @@ class Extrapolation(nn.Module):
         ks = check_riflex_k(riflex_k, len(train) if train is not None else self._grid_ranks()[0])
         if any(k for k in ks) and callable(getattr(self, "frequencies", None)):
             with torch.no_grad():
-                bands = (self.frequencies() != 0).flatten(0, -3).sum(-1).amin(0).tolist()  # per axis
+                freqs = self.frequencies()  # (..., ndim, P): count the bands of each axis in every layer and head
+                bands = (freqs != 0).sum(-1).reshape(-1, freqs.shape[-2]).amin(0).tolist()
             for axis, (k, count) in enumerate(zip(ks, bands, strict=True)):
                 if k and k > count:
                     raise ValueError(
