@@ -16,10 +16,14 @@ try:
     import diffusers  # noqa: F401
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
-        'visionpe.integrations.diffusers needs diffusers: from a clone of visionpe, pip install -e ".[diffusion]"'
+        'visionpe.integrations.diffusers needs the "diffusion" extra (diffusers is missing); from a clone of visionpe: '
+        'pip install -e ".[diffusion]"'
     ) from error
 
-from . import flux  # noqa: F401  (registers the family)
+from . import (
+    flux,  # noqa: F401  (registers the family)
+    qwenimage,  # noqa: F401  (registers the family)
+)
 from .cogvideox import COGVIDEOX  # noqa: F401  (registers the family)
 from .hunyuan_video import HUNYUAN_VIDEO  # noqa: F401  (registers the family)
 from .patch import (

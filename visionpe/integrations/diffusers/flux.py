@@ -25,7 +25,11 @@ def _grid_of(ids: torch.Tensor) -> tuple[int, ...]:
 
 class FluxRotary(nn.Module):
     """Flux's ``pos_embed``: ``ids`` (S, 3) in, ``(cos, sin)`` (S, sum(axes_dim)) out, by a
-    :class:`DiffusionRotary` over the axes index, height, width (the index axis is never scaled)."""
+    :class:`DiffusionRotary` over the axes index, height, width (the index axis is never scaled).
+
+    In a mode other than ``"none"`` the current grid is read off the ids (largest id + 1 per axis, as the released
+    DyPE code reads it): one host synchronisation, a graph break under ``torch.compile``. In mode ``"none"`` the
+    module traces into the model's graph."""
 
     def __init__(self, axes_dim, theta: float, train_grid_size=None) -> None:
         super().__init__()

@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from ...checks import check_float
+from ...grid import validate_grid_size
 from ...rotary.scaling import Extrapolation
 from .rotary import DiffusionRotary
 from .swap import remove_swapped_scheme, swap_position_scheme, swapped_scheme
@@ -53,7 +53,8 @@ class DiffusionFamily:
         axis_names: the rotary's axes, for the docs and errors.
         default_train_grid: the released checkpoint's training grid in positions per axis (the modes' reference),
             used when ``train_grid_size`` is not given.
-        own_module_class: the class name of the rotary module the family's models hold (checked before patching).
+        own_module_class: the class name of the rotary module the family's models hold, or a tuple of names when a
+            model of the family holds one of several (checked before patching; ``build`` sees which one it is).
     """
 
     name: str
@@ -63,11 +64,17 @@ class DiffusionFamily:
     timestep_scale: float
     axis_names: tuple[str, ...]
     default_train_grid: tuple[int, ...]
-    own_module_class: str
+    own_module_class: str | tuple[str, ...]
     notes: str = field(default="", compare=False)
 
     def matches(self, model: nn.Module) -> bool:
         return any(cls.__name__ in self.class_names for cls in type(model).__mro__)
+
+    @property
+    def own_module_classes(self) -> tuple[str, ...]:
+        """:attr:`own_module_class` as a tuple of class names."""
+        own = self.own_module_class
+        return (own,) if isinstance(own, str) else tuple(own)
 
 
 #: every family visionpe patches, by name (filled by the family modules)
@@ -76,6 +83,8 @@ DIFFUSERS_FAMILIES: dict[str, DiffusionFamily] = {}
 
 def register_family(family: DiffusionFamily) -> DiffusionFamily:
     """Add ``family`` to :data:`DIFFUSERS_FAMILIES` (a name registered twice raises)."""
+    if not isinstance(family, DiffusionFamily):
+        raise TypeError(f"family must be a DiffusionFamily, got {type(family).__name__}")
     if family.name in DIFFUSERS_FAMILIES:
         raise ValueError(f"a diffusers family named {family.name!r} is already registered")
     DIFFUSERS_FAMILIES[family.name] = family
@@ -119,6 +128,8 @@ def patched_rotary(transformer: nn.Module) -> DiffusionRotary | Extrapolation:
     """The :class:`DiffusionRotary` of a transformer patched by :func:`apply_position_scheme` (the table module of a
     model with a position table, an :class:`~visionpe.rotary.scaling.Extrapolation` too); a ValueError for an
     unpatched one."""
+    if not isinstance(transformer, nn.Module):
+        raise TypeError(f"transformer must be a torch.nn.Module, got {type(transformer).__name__}")
     state = getattr(transformer, _STATE, None)
     if state is None:
         raise ValueError(
@@ -131,17 +142,9 @@ def patched_rotary(transformer: nn.Module) -> DiffusionRotary | Extrapolation:
 
 def _timestep_hook(rotary: DiffusionRotary, scale: float, position: int) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        timestep = kwargs.get("timestep", args[position] if len(args) > position else None)
-        if timestep is None:
-            rotary.timestep = None
-            return
-        if not isinstance(timestep, torch.Tensor):
-            timestep = torch.tensor(float(timestep))
-        # one timestep per call (a batch is denoised at one step); DyPE's t in [0, 1]
-        rotary.timestep = (
-            timestep.detach().reshape(-1)[0].to(torch.float64 if timestep.device.type != "mps" else torch.float32)
-            * scale
-        ).clamp(0, 1)
+        # the argument as it is: the rotary converts it to DyPE's t in [0, 1] when it reads it (a hook computing
+        # nothing adds no graph under torch.compile)
+        rotary.set_timestep(kwargs.get("timestep", args[position] if len(args) > position else None), scale)
 
     return hook
 
@@ -173,27 +176,31 @@ def apply_position_scheme(
 
     Raises:
         TypeError: ``transformer`` is not of a supported family (the message lists them).
-        ValueError: the model is patched already, a scheme other than None, or a bad ``train_grid_size``.
+        ValueError: the model is patched already, a scheme other than None, or a ``train_grid_size`` that is not
+            one positive int per axis of the family.
     """
     family = find_diffusers_family(transformer)
     if getattr(transformer, _STATE, None) is not None:
         raise ValueError(f"{type(transformer).__name__} is patched already; remove_position_scheme(transformer) first")
     if scheme is not None or options or swapped_scheme(transformer) is not None:
         return swap_position_scheme(transformer, family, scheme, train_grid_size, **options)
+    if train_grid_size is not None:
+        train_grid_size = validate_grid_size(train_grid_size, "train_grid_size", ndims=(len(family.axis_names),))
     own = getattr(transformer, family.attribute, None)
-    if own is None or type(own).__name__ != family.own_module_class:
+    if own is None or type(own).__name__ not in family.own_module_classes:
+        expected = " or ".join(family.own_module_classes)
         raise TypeError(
-            f"{type(transformer).__name__}.{family.attribute} must be diffusers' {family.own_module_class} "
+            f"{type(transformer).__name__}.{family.attribute} must be diffusers' {expected} "
             f"for visionpe to replace it, got {type(own).__name__}"
         )
-    replacement = family.build(transformer, own, None if train_grid_size is None else tuple(train_grid_size))
+    check_float(family.timestep_scale, "timestep_scale", min=0, min_open=True)
+    replacement = family.build(transformer, own, train_grid_size)
     rotary = next((m for m in replacement.modules() if isinstance(m, Extrapolation)), None)
     if rotary is None:
         raise TypeError(
             f"the {family.name} family built {type(replacement).__name__}, which holds no DiffusionRotary (nor "
             "another Extrapolation module, as a position table)"
         )
-    check_float(family.timestep_scale, "timestep_scale", min=0, min_open=True)
     param = next(iter(transformer.parameters()), None)
     if param is not None:
         replacement.to(device=param.device)
@@ -210,6 +217,8 @@ def remove_position_scheme(transformer: nn.Module) -> nn.Module:
 
     A ValueError for a transformer visionpe did not patch.
     """
+    if not isinstance(transformer, nn.Module):
+        raise TypeError(f"transformer must be a torch.nn.Module, got {type(transformer).__name__}")
     state = getattr(transformer, _STATE, None)
     if state is None:
         if remove_swapped_scheme(transformer):

@@ -113,7 +113,7 @@ def dype_frequencies(
     check_choice(method, "method", DYPE_METHODS)
     check_float(exponent, "exponent", min=0, min_open=True, expected="a positive number (DyPE's lambda_t)")
     base = rope_frequencies(dim, theta, dtype)
-    t = timestep if isinstance(timestep, torch.Tensor) else torch.tensor(float(timestep))
+    t = timestep if isinstance(timestep, torch.Tensor) else torch.tensor(float(timestep), dtype=torch.float64)
     if not isinstance(timestep, torch.Tensor):
         check_float(timestep, "timestep", min=0, max=1, expected="a diffusion timestep in [0, 1]")
     t = t.to(torch.float64 if dtype == torch.float64 else torch.float32)
@@ -195,9 +195,37 @@ class DiffusionRotary(Extrapolation):
             raise TypeError(f"freqs_dtype must be torch.float32 or torch.float64, got {freqs_dtype}")
         self.freqs_dtype = freqs_dtype
         self.ndims = (len(self.axes_dim),)
-        #: the diffusion timestep in [0, 1] (1: pure noise), set by the patched model at every call; read by DyPE
-        self.timestep: float | torch.Tensor | None = None
+        # the diffusion timestep as the model's call passed it, and the factor taking it to [0, 1] (see timestep)
+        self._timestep: tuple[float | torch.Tensor | None, float] = (None, 1.0)
         self.init_extrapolation("none", train_grid_size)
+
+    @property
+    def timestep(self) -> float | torch.Tensor | None:
+        """The diffusion timestep t in [0, 1] (1: pure noise) that DyPE reads, or None: set by the patched model at
+        every call from its ``timestep`` argument (:meth:`set_timestep`), or by hand (a float in [0, 1], a tensor)
+        to run the rotary on its own. A tensor's first entry is taken (one timestep per call: a batch is denoised
+        at one step), in float64 (float32 on MPS), times the model's factor and clamped to [0, 1]."""
+        value, scale = self._timestep
+        if value is None:
+            return None
+        if isinstance(value, torch.Tensor):
+            dtype = torch.float64 if value.device.type != "mps" else torch.float32
+            return (value.detach().reshape(-1)[0].to(dtype) * scale).clamp(0, 1)
+        return min(max(float(value) * scale, 0.0), 1.0)
+
+    @timestep.setter
+    def timestep(self, value: float | torch.Tensor | None) -> None:
+        if value is not None and not isinstance(value, torch.Tensor):
+            check_float(value, "timestep", min=0, max=1, expected="a diffusion timestep in [0, 1], a tensor or None")
+        self.set_timestep(value)
+
+    def set_timestep(self, value: float | torch.Tensor | None, scale: float = 1.0) -> None:
+        """Keep the timestep a model's call passed, ``value``, and the factor ``scale`` taking it to [0, 1]: the
+        conversion waits until DyPE reads :attr:`timestep`, so that the patched model's pre-hook adds no operation
+        (and under ``torch.compile`` no graph) of its own."""
+        if isinstance(value, bool) or not (value is None or isinstance(value, (torch.Tensor, int, float))):
+            raise TypeError(f"timestep must be a number, a tensor or None, got {type(value).__name__} ({value!r})")
+        self._timestep = (value, scale)
 
     @property
     def dim(self) -> int:
@@ -275,7 +303,8 @@ class DiffusionRotary(Extrapolation):
         return out
 
     def _dype(self, grid_size: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor | float]]:
-        if self.timestep is None:
+        timestep = self.timestep
+        if timestep is None:
             raise RuntimeError(
                 "extrapolation='dype' reads the diffusion timestep, which the patched transformer sets at every call "
                 "from its timestep argument; set DiffusionRotary.timestep to run the rotary on its own"
@@ -292,7 +321,7 @@ class DiffusionRotary(Extrapolation):
                     theta,
                     self.train_grid_size[a],
                     grid_size[a],
-                    self.timestep,
+                    timestep,
                     self.mode_options["dype_method"],
                     self.mode_options["dype_exponent"],
                     self.freqs_dtype,
@@ -300,14 +329,16 @@ class DiffusionRotary(Extrapolation):
             )
         return out
 
-    def cos_sin(
+    def axis_angles(
         self, positions: torch.Tensor, grid_size: Sequence[int] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token cos and sin, (S, dim) float32 each, every pair's value repeated on its two channels
-        (diffusers' ``repeat_interleave_real``), the axes' blocks in order.
+    ) -> list[tuple[torch.Tensor, torch.Tensor | float]]:
+        """Per axis, the rotation angles of its pairs, (S, axes_dim[a] / 2) in the frequency dtype, and the
+        multiplier of their cos and sin (1.0 where the mode sets none): what :meth:`cos_sin` and :meth:`polar` turn
+        into the model's layout.
 
         Args:
-            positions: (S, ndim) positions (float or int; fractional positions are taken as they are).
+            positions: (S, ndim) positions (float or int; fractional positions are taken as they are; negative ones,
+                as the centred grids of Qwen-Image, too).
             grid_size: the number of positions per axis of the current input, which the modes compare with the
                 training grid; None: the mode is not applied (as at the training size).
         """
@@ -316,15 +347,47 @@ class DiffusionRotary(Extrapolation):
                 f"positions must be a (S, {len(self.axes_dim)}) tensor, got {getattr(positions, 'shape', positions)}"
             )
         dtype = self.freqs_dtype if positions.device.type != "mps" else torch.float32
+        return [
+            (positions[:, a].float().to(dtype)[:, None] * freqs.to(device=positions.device, dtype=dtype), mscale)
+            for a, (freqs, mscale) in enumerate(self.axis_frequencies(grid_size))
+        ]
+
+    def cos_sin(
+        self, positions: torch.Tensor, grid_size: Sequence[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token cos and sin, (S, dim) float32 each, every pair's value repeated on its two channels
+        (diffusers' ``repeat_interleave_real``), the axes' blocks in order (Flux's layout).
+
+        Args:
+            positions: (S, ndim) positions, as :meth:`axis_angles` takes them.
+            grid_size: the number of positions per axis of the current input (None: the mode is not applied).
+        """
         cos, sin = [], []
-        for a, (freqs, mscale) in enumerate(self.axis_frequencies(grid_size)):
-            angle = positions[:, a].float().to(dtype)[:, None] * freqs.to(device=positions.device, dtype=dtype)
+        for angle, mscale in self.axis_angles(positions, grid_size):
             c, s = angle.cos(), angle.sin()
             if not (isinstance(mscale, float) and mscale == 1.0):
                 c, s = c * mscale, s * mscale
             cos.append(c.repeat_interleave(2, dim=1).float())
             sin.append(s.repeat_interleave(2, dim=1).float())
         return torch.cat(cos, dim=1), torch.cat(sin, dim=1)
+
+    def polar(self, positions: torch.Tensor, grid_size: Sequence[int] | None = None) -> torch.Tensor:
+        """Per-token rotations as complex numbers, (S, dim / 2) complex64: pair j of a token is
+        ``mscale * exp(i * angle_j)`` (``torch.polar``), the axes' blocks in order (Qwen-Image's layout, applied by
+        a complex product with the (real, imaginary) channel pairs).
+
+        Args:
+            positions: (S, ndim) positions, as :meth:`axis_angles` takes them.
+            grid_size: the number of positions per axis of the current input (None: the mode is not applied).
+        """
+        out = []
+        for angle, mscale in self.axis_angles(positions, grid_size):
+            if isinstance(mscale, float):
+                magnitude = torch.full_like(angle, mscale)
+            else:
+                magnitude = mscale.to(device=angle.device, dtype=angle.dtype).expand_as(angle)
+            out.append(torch.polar(magnitude, angle).to(torch.complex64))
+        return torch.cat(out, dim=1)
 
     def extra_repr(self) -> str:
         return (
