@@ -20,6 +20,7 @@ EXTRA_MODULES = (
     "matplotlib",
     "transformers",
     "open_clip",
+    "diffusers",
 )
 
 BLOCK_EXTRAS = f"""
@@ -103,6 +104,7 @@ def test_core_works_without_any_extra():
         ("visionpe.training", "train"),
         ("visionpe.integrations.hf", "vlm"),
         ("visionpe.integrations.open_clip", "clip"),
+        ("visionpe.integrations.diffusers", "diffusion"),
     ],
 )
 def test_a_feature_without_its_extra_names_it(module, extra):
