@@ -225,7 +225,8 @@ class PositionEncoding(nn.Module):
     kind: ClassVar[str] = ""
     ndims: ClassVar[tuple[int, ...]] = (2,)
     # -- capabilities, read by visionpe.contract (the entry points' check and the compatibility table) --
-    #: inputs beyond the image the scheme cannot work without (``"cameras"``)
+    #: inputs beyond the patch tokens the scheme cannot work without (``"cameras"``; ``"pixels"``: the input image,
+    #: which the model passes to an absolute scheme's forward as ``pixels=``)
     requires: ClassVar[frozenset[str]] = frozenset()
     #: inputs the scheme reads when the model is given them, and does without otherwise (3DPPE's known depths)
     optional_inputs: ClassVar[frozenset[str]] = frozenset()

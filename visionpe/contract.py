@@ -3,7 +3,9 @@
 A scheme class declares, as class attributes (:class:`~visionpe.base.PositionEncoding`):
 
 - ``kind``: how it enters the model (``absolute``, ``rotary``, ``bias``, ``camera``);
-- ``requires``: inputs beyond the image it cannot work without (``"cameras"`` for the camera schemes);
+- ``requires``: inputs beyond the patch tokens it cannot work without (``"cameras"`` for the camera schemes,
+  ``"pixels"`` for an absolute scheme that computes its encoding from the input image, passed to its forward as
+  ``pixels=``: LOOPE's context term);
 - ``grid_ranks``: the grid ranks it can be built for (2 for images, 3 for video);
 - ``supports_causal``: whether a model with causal attention stays causal with it (a token reads no later token);
 - ``supports_mixed_resolution``: whether it takes mixed-resolution batches (timm's NaFlex layout);
@@ -39,6 +41,7 @@ __all__ = [
     "check_schemes",
     "check_built_scheme",
     "check_causal",
+    "check_mixed_resolution",
     "declared",
     "refusal",
     "supported_entry_points",
@@ -83,6 +86,8 @@ class EntryPoint:
 
 
 _ENTRY_POINTS: dict[tuple[str, str], EntryPoint] = {}
+# what a required input is, where its name alone does not say it
+_INPUTS = {"pixels": "pixels (the input image, passed to its forward: it computes its positions from it)"}
 # names of other registries (the multimodal designs): (a function listing them, what they are and where they go)
 _OTHER_NAMES: list[tuple[Callable[[], Iterable[str]], str]] = []
 
@@ -132,7 +137,8 @@ def refusal(entry: EntryPoint, name: str, scheme: Any = None) -> str | None:
     kind = cls.kind
     missing = sorted(set(declared(cls, "requires", frozenset())) - set(entry.provides))
     if missing:
-        return f"{name!r} needs {' and '.join(missing)}, which this entry point does not provide"
+        needs = " and ".join(_INPUTS.get(m, m) for m in missing)
+        return f"{name!r} needs {needs}, which this entry point does not provide"
     if kind not in entry.kinds:
         return f"{name!r} is a {kind} scheme and {entry.argument} here takes {' or '.join(entry.kinds)} schemes"
     ranks = tuple(declared(cls, "grid_ranks", (2,)))
@@ -230,6 +236,22 @@ def check_causal(entry: EntryPoint, schemes: Any) -> None:
             raise UnsupportedSchemeError(
                 f"{entry.name}: {entry.argument}={name!r} mixes every token with its neighbours outside attention, "
                 f"so the model would not be causal; got is_causal=True"
+            )
+
+
+def check_mixed_resolution(entry: EntryPoint, schemes: Any) -> None:
+    """:class:`UnsupportedSchemeError` for a mixed-resolution batch (timm's NaFlex layout) on ``entry`` when a scheme
+    does not take one (``supports_mixed_resolution`` False, e.g. LOOPE, whose context reads the whole image).
+    ``schemes``: {name: scheme} (a dict or a model's ``pos_schemes``) or (name, scheme) pairs."""
+    items = schemes.items() if hasattr(schemes, "items") else schemes
+    for name, scheme in items:
+        if not declared(scheme, "supports_mixed_resolution", True):
+            why = ""
+            if "pixels" in declared(scheme, "requires", frozenset()):
+                why = " (it reads the input image, which a batch of flattened patches does not give)"
+            raise UnsupportedSchemeError(
+                f"{entry.name}: {entry.argument}={name!r} does not take mixed-resolution batches{why}; feed "
+                "(B, C, H, W) images"
             )
 
 

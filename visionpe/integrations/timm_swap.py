@@ -62,7 +62,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..attention import PosAttention, PosBlock, PositionContext
-from ..contract import EntryPoint, register_entry_point
+from ..contract import EntryPoint, check_mixed_resolution, register_entry_point
 from ..grid import CoordAugment
 from ..models.convert import LoadReport
 from ..models.naflex import apply_per_grid, build_mixed_position_context, naflex_inputs
@@ -396,6 +396,7 @@ class VisionPENaFlexVit(_ConvertedModel, NaFlexVit):
         over the valid patches."""
         layout, grid_size = None, None
         if patch_coord is not None or patch_valid is not None:
+            check_mixed_resolution(SWAP_ENTRY, self.pos_schemes)
             patches, layout = naflex_inputs(patches, patch_coord, patch_valid, attn_mask, unflattened=True)
             _check_dtype(patches, "patches", self.embeds.proj.weight.dtype)
             x, _ = self.embeds(patches, patch_coord=layout.patch_coord, patch_valid=layout.patch_valid)

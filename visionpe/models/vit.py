@@ -24,7 +24,14 @@ from torch.utils.checkpoint import checkpoint
 from ..attention import PosBlock, PositionContext
 from ..base import AbsolutePositionEncoding, set_coord_augment
 from ..checks import ArgumentTypeError, check_bool, check_choice, check_float, check_int, describe
-from ..contract import EntryPoint, check_built_scheme, check_causal, check_schemes, register_entry_point
+from ..contract import (
+    EntryPoint,
+    check_built_scheme,
+    check_causal,
+    check_mixed_resolution,
+    check_schemes,
+    register_entry_point,
+)
 from ..grid import CoordAugment, MixedGrid
 from ..registry import create_pos_embed, get_scheme_class, scheme_options
 from .context import build_position_context
@@ -43,13 +50,14 @@ __all__ = [
 
 
 #: ``timm.create_model("visionpe_vit_*", pos_embed=...)`` (:class:`VisionPEViT`): one image grid, depth maps for the
-#: schemes that read them, causal attention and mixed-resolution batches
+#: schemes that read them, the input image for absolute schemes that read it, causal attention and mixed-resolution
+#: batches
 VIT_ENTRY = register_entry_point(
     EntryPoint(
         name='timm.create_model("visionpe_vit_*")',
         argument="pos_embed",
         kinds=("absolute", "rotary", "bias"),
-        provides=frozenset({"patch_depth"}),
+        provides=frozenset({"patch_depth", "pixels"}),
         causal=True,
         mixed_resolution=True,
         label="`visionpe_vit_*`",
@@ -301,13 +309,15 @@ def _add_absolute(
     grid_size: tuple[int, ...],
     num_prefix_tokens: int,
     after_block: int | None = None,
+    pixels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """An absolute scheme applied to the tokens ``x`` (after block ``after_block`` for CPE's PEGs), one leaf call of
     a ``torch.fx`` graph (as :func:`~visionpe.attention.position_attention`): schemes check their tokens and
-    resample tables with Python control flow."""
-    if after_block is None:
-        return scheme(x, grid_size, num_prefix_tokens)
-    return scheme(x, grid_size, num_prefix_tokens, after_block=after_block)
+    resample tables with Python control flow. A scheme that requires ``"pixels"`` gets the input images."""
+    extra = {} if after_block is None else {"after_block": after_block}
+    if "pixels" in getattr(scheme, "requires", ()):
+        extra["pixels"] = pixels
+    return scheme(x, grid_size, num_prefix_tokens, **extra)
 
 
 @torch.fx.wrap
@@ -358,6 +368,10 @@ def create_model_scheme(model: nn.Module, name: str, options: dict[str, Any]) ->
         "ndim": len(grid_size),
         "no_embed_class": no_embed_class,
     }
+    embed = getattr(model, "patch_embed", None)
+    if embed is not None:  # for a scheme that reads the image (LOOPE's context network)
+        context["patch_size"] = tuple(embed.patch_size)
+        context["in_chans"] = embed.proj.in_channels
     given = options.get("num_prefix_tokens", model.num_prefix_tokens)
     if given != model.num_prefix_tokens:  # the scheme would refuse every batch of this model
         raise ValueError(
@@ -518,13 +532,16 @@ class VisionPEViT(VisionTransformer):
                 if token is not None:
                     nn.init.normal_(token, std=1e-6)
 
-    def _pos_embed_grid(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-        """Patch tokens -> prefix + patches with absolute encodings, and the grid size."""
+    def _pos_embed_grid(
+        self, x: torch.Tensor, pixels: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """Patch tokens -> prefix + patches with absolute encodings, and the grid size; ``pixels``: the images the
+        tokens come from, for the schemes that read them (``requires`` ``"pixels"``)."""
         grid_size = self._grid_size(x)
         x = super()._pos_embed(x)  # timm: concatenate prefix tokens (its own table is None)
         for scheme in self._schemes("absolute"):
             if not scheme.insert_after:
-                x = _add_absolute(scheme, x, grid_size, self.num_prefix_tokens)
+                x = _add_absolute(scheme, x, grid_size, self.num_prefix_tokens, pixels=pixels)
         return self.pos_drop(x), grid_size
 
     def _pos_embed(self, x: torch.Tensor) -> torch.Tensor:
@@ -593,7 +610,7 @@ class VisionPEViT(VisionTransformer):
             if is_causal:
                 check_causal(self.entry_point, self.pos_schemes)
         images = x
-        x, grid_size = self._pos_embed_grid(self.patch_embed(x))
+        x, grid_size = self._pos_embed_grid(self.patch_embed(x), images)
         patch_depth = self._patch_depth(depth, images, grid_size)
         num_tokens = x.shape[1]
         x, keep = (
@@ -608,7 +625,7 @@ class VisionPEViT(VisionTransformer):
             ctx.keep_tokens(keep, self.num_prefix_tokens, num_tokens)
 
         def insert(scheme: AbsolutePositionEncoding, tokens: torch.Tensor, i: int) -> torch.Tensor:
-            return _add_absolute(scheme, tokens, grid_size, self.num_prefix_tokens, i)
+            return _add_absolute(scheme, tokens, grid_size, self.num_prefix_tokens, i, images)
 
         yield from self._run_blocks(x, ctx, last, insert, attn_mask, is_causal)
 
@@ -687,6 +704,7 @@ class VisionPEViT(VisionTransformer):
                 f"x is a mixed-resolution batch (a NaFlex dict, or patches with patch_coord and patch_valid), which "
                 f"{type(self).__name__} does not take; visionpe_vit_* and apply_position_scheme on a NaFlexVit do"
             )
+        check_mixed_resolution(self.entry_point, self.pos_schemes)
         if is_causal or depth is not None:
             raise ValueError(
                 "a mixed-resolution batch takes neither is_causal nor depth, got "
