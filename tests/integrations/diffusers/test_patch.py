@@ -200,3 +200,28 @@ def test_the_examples_of_the_diffusion_page_run():
     namespace: dict = {}
     for block in runnable:
         exec(compile(block, str(DOCS_PAGE), "exec"), namespace)
+
+
+def test_a_copy_of_a_patched_model_feeds_its_own_rotary_and_is_removed_on_its_own(flux):
+    import copy
+
+    apply_position_scheme(flux, train_grid_size=(1, 4, 4))
+    clone = copy.deepcopy(flux)
+    visionpe.set_extrapolation(clone, "dype")
+    with torch.no_grad():
+        clone(**flux_inputs(8, 8, timestep=0.3))
+    assert float(patched_rotary(clone).timestep) == pytest.approx(0.3)
+    assert patched_rotary(flux).timestep is None  # the original's rotary was not fed by the copy's call
+    remove_position_scheme(clone)
+    assert patched_rotary(flux).extrapolation == "none"  # the original is still patched, its hook in place
+    with torch.no_grad():
+        flux(**flux_inputs(4, 4, timestep=0.8))
+    assert float(patched_rotary(flux).timestep) == pytest.approx(0.8)
+
+
+def test_dype_reads_the_largest_of_per_token_timesteps(flux):
+    # Wan 2.2's image-to-video passes one timestep per token, 0 for the clean conditioning frame
+    apply_position_scheme(flux)
+    rotary = patched_rotary(flux)
+    rotary.set_timestep(torch.tensor([[0.0, 0.0, 700.0, 700.0]]), 1 / 1000)
+    assert float(rotary.timestep) == pytest.approx(0.7)

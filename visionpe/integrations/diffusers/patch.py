@@ -20,6 +20,7 @@ from torch import nn
 from ...checks import check_float
 from ...grid import validate_grid_size
 from ...rotary.scaling import Extrapolation
+from ..timm_swap import SwapReport
 from .rotary import DiffusionRotary
 from .swap import remove_swapped_scheme, swap_position_scheme, swapped_scheme
 
@@ -121,7 +122,7 @@ class PatchReport:
 class _PatchState:
     family: DiffusionFamily
     own_module: nn.Module
-    hook: Any
+    hook_id: int  # the key of the timestep pre-hook in the model's hook dicts (a copy of the model keeps it)
 
 
 def patched_rotary(transformer: nn.Module) -> DiffusionRotary | Extrapolation:
@@ -149,6 +150,18 @@ def _timestep_hook(rotary: DiffusionRotary, scale: float, position: int) -> Call
     return hook
 
 
+class _TimestepHook:
+    """The patched model's forward pre-hook: hands the call's ``timestep`` to the module at ``path`` (the rotary),
+    looked up at every call, so that a copy of the model (``copy.deepcopy``) feeds its own rotary."""
+
+    def __init__(self, path: str, scale: float, position: int) -> None:
+        self.path, self.scale, self.position = path, scale, position
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        timestep = kwargs.get("timestep", args[self.position] if len(args) > self.position else None)
+        module.get_submodule(self.path).set_timestep(timestep, self.scale)
+
+
 def _timestep_position(model: nn.Module) -> int:
     names = list(inspect.signature(type(model).forward).parameters)[1:]
     return names.index("timestep") if "timestep" in names else len(names)
@@ -160,19 +173,22 @@ def apply_position_scheme(
     *,
     train_grid_size: Sequence[int] | None = None,
     **options: Any,
-) -> PatchReport:
+) -> PatchReport | SwapReport:
     """Express a diffusers transformer's rotary in visionpe, in place; ``visionpe.set_extrapolation`` then sets its
     modes per axis (PI, NTK, YaRN, RIFLEx, DyPE).
 
     Args:
         transformer: a diffusers transformer of a family in :data:`DIFFUSERS_FAMILIES`.
         scheme: None: the model's own encoding, exactly (the denoiser's output equals the original's to float
-            rounding at any size until a mode is set).
+            rounding at any size until a mode is set); a name of ``visionpe.list_schemes("rotary")`` (Flux and Wan):
+            that scheme replaces the model's rotary for fine-tuning, built with ``**options`` (its constructor's
+            options), and a :class:`~visionpe.integrations.timm_swap.SwapReport` lists its new parameters
+            (:mod:`visionpe.integrations.diffusers.swap`).
         train_grid_size: the grid the modes' factors are relative to, in positions per axis of the rotary (the
             family's ``axis_names``); None: the released checkpoint's (``DiffusionFamily.default_train_grid``).
 
     Returns:
-        A :class:`PatchReport`.
+        A :class:`PatchReport` (scheme None) or a :class:`~visionpe.integrations.timm_swap.SwapReport` (a scheme).
 
     Raises:
         TypeError: ``transformer`` is not of a supported family (the message lists them).
@@ -205,10 +221,11 @@ def apply_position_scheme(
     if param is not None:
         replacement.to(device=param.device)
     setattr(transformer, family.attribute, replacement)
+    path = next(f"{family.attribute}.{n}".rstrip(".") for n, m in replacement.named_modules() if m is rotary)
     hook = transformer.register_forward_pre_hook(
-        _timestep_hook(rotary, family.timestep_scale, _timestep_position(transformer)), with_kwargs=True
+        _TimestepHook(path, family.timestep_scale, _timestep_position(transformer)), with_kwargs=True
     )
-    object.__setattr__(transformer, _STATE, _PatchState(family, own, hook))
+    object.__setattr__(transformer, _STATE, _PatchState(family, own, hook.id))
     return PatchReport(family.name, family.attribute, rotary, rotary.train_grid_size)
 
 
@@ -224,7 +241,8 @@ def remove_position_scheme(transformer: nn.Module) -> nn.Module:
         if remove_swapped_scheme(transformer):
             return transformer
         raise ValueError(f"{type(transformer).__name__} is not patched by visionpe; nothing to remove")
-    state.hook.remove()
+    for hooks in (transformer._forward_pre_hooks, transformer._forward_pre_hooks_with_kwargs):
+        hooks.pop(state.hook_id, None)
     setattr(transformer, state.family.attribute, state.own_module)
     object.__delattr__(transformer, _STATE)
     return transformer

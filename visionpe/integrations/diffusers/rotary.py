@@ -203,14 +203,16 @@ class DiffusionRotary(Extrapolation):
     def timestep(self) -> float | torch.Tensor | None:
         """The diffusion timestep t in [0, 1] (1: pure noise) that DyPE reads, or None: set by the patched model at
         every call from its ``timestep`` argument (:meth:`set_timestep`), or by hand (a float in [0, 1], a tensor)
-        to run the rotary on its own. A tensor's first entry is taken (one timestep per call: a batch is denoised
-        at one step), in float64 (float32 on MPS), times the model's factor and clamped to [0, 1]."""
+        to run the rotary on its own. A tensor's largest entry is taken (one timestep per call: a batch is denoised
+        at one step; a model given one timestep per token, as Wan 2.2's image-to-video with a clean first frame at
+        0, denoises the others at the largest), in float64 (float32 on MPS), times the model's factor and clamped
+        to [0, 1]."""
         value, scale = self._timestep
         if value is None:
             return None
         if isinstance(value, torch.Tensor):
             dtype = torch.float64 if value.device.type != "mps" else torch.float32
-            return (value.detach().reshape(-1)[0].to(dtype) * scale).clamp(0, 1)
+            return (value.detach().reshape(-1).amax().to(dtype) * scale).clamp(0, 1)
         return min(max(float(value) * scale, 0.0), 1.0)
 
     @timestep.setter
