@@ -63,6 +63,17 @@ def _scheme_call(name):
 
         return scheme, fn, lambda grid: torch.randn(2, 2, 1 + grid[0] * grid[1], 16)
 
+    if "pixels" in getattr(scheme, "requires", ()):  # an encoding that reads the image (LOOPE): one image per grid
+        (ph, pw), images = scheme.patch_size, {}
+
+        def fn(x, grid):
+            if grid not in images:
+                generator = torch.Generator().manual_seed(grid[0] * 100 + grid[1])
+                images[grid] = torch.randn(2, scheme.in_chans, grid[0] * ph, grid[1] * pw, generator=generator)
+            return scheme(x, grid, 1, pixels=images[grid])
+
+        return scheme, fn, lambda grid: torch.randn(2, 1 + grid[0] * grid[1], 32)
+
     def fn(x, grid):
         return scheme(x, grid, 1)
 

@@ -67,6 +67,8 @@ OPEN_CLIP_ENTRY = register_entry_point(
         argument="pos_embed",
         kinds=("absolute", "rotary", "bias"),
         label="open_clip tower",
+        # the tower runs VisionPEViT's forward, which hands the input image to a scheme that reads it (LOOPE)
+        provides=frozenset({"pixels"}),
     )
 )
 
