@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +52,7 @@ from experiments.vlm.benchmark import (  # noqa: E402
 from experiments.vlm.schemes import BENCH_SCHEMES  # noqa: E402
 from experiments.vlm.tasks import TASKS  # noqa: E402
 
+KEPT = "Rows of "  # the start of the line naming the rows kept from an earlier run (--update)
 FIELDS = ["task", "scheme", "seed", "length", "acc", "n", "train_length", "steps", "train_s", "eval_s"]
 
 
@@ -74,11 +76,13 @@ def write_results_files(
     command: list[str] | None = None,
     name: str = "vlm",
     earlier: str | None = None,
+    older: Sequence[str] = (),
 ) -> tuple[Path, Path]:
     """``<results_dir>/<name>.md``: the run's header line (``command``: the argv, default ``sys.argv``), the earlier
     run's (``earlier``, for rows kept by ``--update``), then every task's report made from ``rows`` (a scheme that does
     not apply to a task gets a "not run" row); ``<name>.csv``: ``rows`` in task, scheme, seed and length order (header
-    row first, no comments, so that it loads as it is)."""
+    row first, no comments, so that it loads as it is). ``older``: the lines of rows that the earlier run had kept
+    from runs before it (:func:`kept_lines`), written after the earlier run's, as they were."""
     if not rows:
         raise ValueError("rows must hold at least one result, got none")
     unknown = sorted(
@@ -93,6 +97,11 @@ def write_results_files(
     if earlier is not None:
         kept = sorted({r["scheme"] for r in rows if r.get("kept")}, key=list(BENCH_SCHEMES).index)
         sections.append(f"Rows of {', '.join(kept)} kept from an earlier run (`--update`): measured {earlier}")
+    if isinstance(older, str) or any(not isinstance(line, str) or not line.startswith(KEPT) for line in older):
+        raise ValueError(f"older must be lines starting with {KEPT!r}, got {older!r}")
+    if older and earlier is None:
+        raise ValueError("older lines come with the earlier run's (earlier=...), got earlier=None")
+    sections += list(older)
     schemes = list(dict.fromkeys(r["scheme"] for r in rows))
     for task in TASKS:
         if any(r["task"] == task for r in rows):
@@ -124,6 +133,23 @@ def previous_rows(results_dir: str | Path, name: str = "vlm") -> tuple[list[dict
             raise ValueError(f"{csv_path.name} lacks the columns {missing}; it has {reader.fieldnames}")
         rows = list(reader)
     return rows, md_path.read_text().splitlines()[0].removeprefix("Measured ")
+
+
+def kept_lines(results_dir: str | Path, schemes: Sequence[str], name: str = "vlm") -> list[str]:
+    """The lines of ``<results_dir>/<name>.md`` naming rows that its run kept from runs before it (``--update``) of
+    at least one of ``schemes`` (the schemes kept again), so that a further ``--update`` keeps saying where those rows
+    were measured; [] without the file."""
+    if isinstance(schemes, str) or any(s not in BENCH_SCHEMES for s in schemes):
+        raise ValueError(f"schemes must be a list of {list(BENCH_SCHEMES)}, got {schemes!r}")
+    md_path = Path(results_dir) / f"{name}.md"
+    if not md_path.is_file():
+        return []
+    lines = []
+    for line in md_path.read_text().splitlines():
+        named = line.removeprefix(KEPT).split(" kept from ")[0].split(", ")
+        if line.startswith(KEPT) and set(named) & set(schemes):
+            lines.append(line)
+    return lines
 
 
 def check_previous_rows(
@@ -194,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(error)
     if quick:
         print_quick_notice(quick)
-    kept, earlier = [], None
+    kept, earlier, older = [], None, []
     if args.update:
         if args.results is None or not args.schemes:
             parser.error(
@@ -204,6 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
             previous, earlier = previous_rows(args.results)
             tasks = args.tasks or list(SETTINGS[args.setting].tasks)
             kept = check_previous_rows(previous, SETTINGS[args.setting], args.seeds, args.schemes, tasks)
+            older = kept_lines(args.results, sorted({r["scheme"] for r in kept}))
         except ValueError as err:
             parser.exit(2, f"--update refused, nothing was changed: {err}\n")
     trainer_args = None
@@ -226,7 +253,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.results is not None:
         command = sys.argv if argv is None else [__file__, *argv]
         rows = kept + report_rows(reports)
-        md_path, csv_path = write_results_files(rows, args.results, command, earlier=earlier if kept else None)
+        md_path, csv_path = write_results_files(
+            rows, args.results, command, earlier=earlier if kept else None, older=older if kept else ()
+        )
         print(f"results: {md_path}, {csv_path}")
     return reports
 

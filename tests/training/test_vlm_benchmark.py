@@ -52,7 +52,7 @@ def _batch(bank, task, lengths, video_as_images=False, tiled=False):
     return samples, collate_samples(samples)
 
 
-NEW_DESIGNS = ("cca", "pype", "bipe", "ppe", "rope_dhr")
+NEW_DESIGNS = ("cca", "pype", "bipe", "ppe", "rope_dhr", "mrope_abs_time", "circle_rope_age")
 
 
 @pytest.mark.parametrize("scheme", list(BENCH_SCHEMES))
@@ -74,6 +74,7 @@ def test_every_scheme_runs_every_task_padding_invariant(bank, scheme):
                 batch.get("image_grid_thw"),
                 batch.get("video_grid_thw"),
                 batch["attention_mask"],
+                **entry.call_inputs(batch.get("video_grid_thw")),
             )
         assert batched.shape == (len(lengths), module.model.config.text_config.vocab_size)
         assert torch.isfinite(batched).all()
@@ -289,7 +290,7 @@ def test_run_benchmark_arguments(tmp_path):
         run_benchmark("quick", seeds=[-1], out_dir=tmp_path)
     with pytest.raises(ValueError, match=r"jobs must be a positive int, got 0"):
         run_benchmark("quick", jobs=0, out_dir=tmp_path)
-    assert set(SETTINGS["small"].tasks) == set(TASKS) and len(SETTINGS["small"].schemes) == 14
+    assert set(SETTINGS["small"].tasks) == set(TASKS) and len(SETTINGS["small"].schemes) == 16
 
 
 def _attention_inputs(module, batch):
@@ -596,3 +597,83 @@ def test_update_measures_the_named_schemes_and_keeps_the_others(tmp_path, monkey
         _script().previous_rows(tmp_path / "nothing")
     with pytest.raises(SystemExit):
         _script().main([*base, "--update", "--out", str(tmp_path / "d")])  # --update needs --results and --schemes
+    # a further update keeps the line saying where the earliest rows were measured, after the previous run's
+    _fake_runs(monkeypatch, acc=80.0)
+    _script().main([*base, "--schemes", "cca", "--out", str(tmp_path / "e"), "--results", results, "--update"])
+    lines = [line for line in (tmp_path / "docs" / "vlm.md").read_text().splitlines() if line]
+    assert lines[1] == f"Rows of mrope, rope_dhr kept from an earlier run (`--update`): measured {first[9:]}"
+    assert lines[2] == second and not lines[3].startswith("Rows of ")
+    assert _script().kept_lines(tmp_path / "docs", ["rope_dhr"]) == [lines[1]]
+    assert _script().kept_lines(tmp_path / "nothing", ["mrope"]) == []
+    with pytest.raises(ValueError, match=r"schemes must be a list of .*got 'mrope'"):
+        _script().kept_lines(tmp_path / "docs", "mrope")
+    with pytest.raises(ValueError, match=r"older must be lines starting with 'Rows of ', got \['x'\]"):
+        _script().write_results_files(after, tmp_path / "f", earlier="then", older=["x"])
+
+
+def test_mrope_abs_time_gets_one_second_per_frame_and_two_time_ids_per_second(bank):
+    entry = get_bench_scheme("mrope_abs_time")
+    assert entry.seconds_per_frame == 1.0 and entry.options == {"tokens_per_second": 2.0}
+    _, batch = _batch(bank, "video", (3, 5))
+    assert entry.call_inputs(batch["video_grid_thw"]) == {"second_per_grid_ts": [1.0, 1.0]}
+    assert entry.call_inputs(None) == {} and get_bench_scheme("mrope").call_inputs(batch["video_grid_thw"]) == {}
+    ours = VLMModule("mrope_abs_time").position_ids(batch, training=True)
+    qwen2 = VLMModule("mrope").position_ids(batch, training=True)
+    video = batch["mm_token_type_ids"] == 2
+    for b, frames in enumerate((3, 5)):
+        # Qwen2.5-VL: frame t at floor(t * 2 ids/s * 1 s) = 2t after the block start; h and w as Qwen2-VL's
+        time = ours[0, b][video[b]].view(frames, 4)
+        start = int(qwen2[0, b][video[b]][0])
+        expected = start + 2 * torch.arange(frames)
+        assert torch.equal(time, expected[:, None].expand(frames, 4))
+        assert torch.equal(qwen2[0, b][video[b]].view(frames, 4)[:, 0], start + torch.arange(frames))
+        assert torch.equal(ours[1:, b][:, video[b]], qwen2[1:, b][:, video[b]])
+        # the text after the clip continues after its last time id
+        assert ours[0, b, -2].item() == start + 2 * (frames - 1) + 1
+    _, images = _batch(bank, "multi_image", (2, 3))
+    with torch.no_grad():  # images have t = 0: the same ids as Qwen2-VL's
+        assert torch.equal(
+            VLMModule("mrope_abs_time").position_ids(images, False), VLMModule("mrope").position_ids(images, False)
+        )
+    with pytest.raises(ValueError, match=r"seconds_per_frame must be a positive finite number or None, got 0"):
+        replace(entry, seconds_per_frame=0)
+    with pytest.raises(ValueError, match=r"video_grid_thw must be a \(V, 3\) tensor or None, got \[1, 2, 2\]"):
+        entry.call_inputs([1, 2, 2])
+
+
+def test_circle_rope_age_alternates_circle_and_mrope_ids_over_the_layers(bank):
+    entry = get_bench_scheme("circle_rope_age")
+    plain = get_bench_scheme("circle_rope")
+    assert entry.scheme == "circle_rope" and entry.options == {"age": True} and entry.video_as_images
+    assert plain.options == {} and plain.video_as_images
+    _, batch = _batch(bank, "grid", (3, 2))
+    age, circle, qwen2 = (VLMModule(name, seed=0).eval() for name in ("circle_rope_age", "circle_rope", "mrope"))
+    # layer 0's ids (what get_rope_index gives) are Circle-RoPE's, as without AGE
+    assert torch.equal(age.position_ids(batch, False), circle.position_ids(batch, False))
+    with torch.no_grad():
+        logits = {name: m(batch) for name, m in (("age", age), ("circle", circle), ("mrope", qwen2))}
+    # same initialisation, so layer 1's M-RoPE ids are the only difference from either design alone
+    assert (logits["age"] - logits["circle"]).abs().max() > 1e-5
+    assert (logits["age"] - logits["mrope"]).abs().max() > 1e-5
+    # layer 1's ids under AGE are Qwen2-VL's M-RoPE ids
+    mrope_ids, _ = get_position_ids(
+        "circle_rope",
+        batch["mm_token_type_ids"],
+        batch["image_grid_thw"],
+        None,
+        batch["attention_mask"],
+        spatial_merge_size=2,
+        pad_value=0,
+        age=True,
+        layer=1,
+    )
+    expected, _ = get_position_ids(
+        "mrope",
+        batch["mm_token_type_ids"],
+        batch["image_grid_thw"],
+        None,
+        batch["attention_mask"],
+        spatial_merge_size=2,
+        pad_value=0,
+    )
+    assert torch.equal(mrope_ids, expected)

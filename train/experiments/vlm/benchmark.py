@@ -12,7 +12,7 @@ Settings (:data:`SETTINGS`):
 
 - ``quick``: rope_1d and mrope on the video needle, 250 steps, 100 questions at 8 and 16 frames. Used by the
   test suite; 45-60 s on 2 cores (39 s of CPU), about 90 % at 8 frames for both schemes.
-- ``small``: every scheme x the 3 tasks (the 14 schemes of :data:`~experiments.vlm.schemes.BENCH_SCHEMES`;
+- ``small``: every scheme x the 3 tasks (the 16 schemes of :data:`~experiments.vlm.schemes.BENCH_SCHEMES`;
   RoPE-DHR on the grid task only, see its ``not_applicable``); grid 2,500 steps, multi-image 1,500, video 600
   (batch 32 each, i.e. 80k, 48k and 19k training questions); 200 held-out questions per length; model as above
   (124k parameters, 35k of them in the vision tower).

@@ -8,7 +8,8 @@ Position ids are computed here, per batch, with :func:`visionpe.multimodal.get_p
 model's ``forward`` as ``position_ids``: this is what the patched ``get_rope_index`` computes, except that
 schemes whose papers randomise their design during training (V2PE's delta, HoPE's gamma) get per-sample values
 drawn from a generator seeded by ``(seed, step)``, and the designs that read more than the layout get it from the
-batch (BiPE the token ids, in which its separators are found; RoPE-DHR the tile grid of each image).
+batch (BiPE the token ids, in which its separators are found; RoPE-DHR the tile grid of each image) and
+Qwen2.5-VL's absolute time its ``second_per_grid_ts`` from the scheme's fixed frame rate, one value per video.
 
 CCA's and PyPE's masks and PyPE's per-layer ids are built by the adapter on each forward of the model (its
 ``forward`` is patched per instance), from the same inputs. Two designs run the model in parts, the vision tower,
@@ -124,6 +125,7 @@ class VLMModule(L.LightningModule):
         num_blocks = sum(len(batch[key]) for key in ("image_grid_thw", "video_grid_thw") if batch.get(key) is not None)
         options = self.scheme.design_options(batch["input_ids"].shape[0], generator, training, max(num_blocks, 1))
         options.update({key: batch[key] for key in self.scheme.batch_options})
+        options.update(self.scheme.call_inputs(batch.get("video_grid_thw")))  # mrope_abs_time's video timing
         if clusters is not None:
             options["clusters"] = clusters
         position_ids, _ = get_position_ids(

@@ -14,6 +14,19 @@ a sampler of per-sample options:
   or one video and shares it across the images of a multi-image sample.
 - ``circle_rope`` is defined for images only: on the video task its frames are given as consecutive images
   (same pixels, same tokens) and the scheme places them as its paper places several images.
+- ``circle_rope_age``: Circle-RoPE with AGE (``age=True``, the paper's ``strategy_4`` and the released
+  configuration): decoder layer 0 has the Circle-RoPE ids, layer 1 Qwen2-VL's M-RoPE ids (the benchmark's model has
+  2 decoder layers, so one of each); the adapter builds layer 1's ids on every forward, as for PyPE. Its other
+  options are those of the ``circle_rope`` row (alpha 0.5, radius 10, the paper's per-image shift of 1), and the
+  video frames are given as consecutive images as there, so the two rows differ by AGE alone.
+- ``mrope_abs_time`` (Qwen2.5-VL): the temporal id of frame t is floor(t * tokens_per_second * second_per_grid),
+  with the released ``tokens_per_second`` = 2. The video task has no clock of its own (the sprite moves one cell per
+  frame), so its clips are given a fixed frame rate of 1 frame per second in training and evaluation alike: with the
+  temporal patch size 1 of the benchmark's model, ``second_per_grid_ts`` = 1 s for every video (``seconds_per_frame``,
+  handed to the design with each batch, one value per video). That is the timing of Qwen2.5-VL's released
+  processing (2 frames per second in temporal patches of 2: 1 s per temporal grid step), so consecutive frames are 2
+  temporal ids apart, where Qwen2-VL's ``mrope`` puts them 1 apart. Images have t = 0 under both, so on the grid and
+  multi-image tasks the design gives ``mrope``'s ids (the rows measure the seed-to-seed spread of the same design).
 - The others use their registered defaults (``videorope`` delta = 2, ``mrope_interleaved`` and ``mhrope``
   without spatial reset, as released).
 
@@ -57,9 +70,17 @@ from visionpe.multimodal import get_multimodal_scheme, sample_hope_scale, sample
 
 from .tasks import TASKS, TOKENS
 
-__all__ = ["BenchScheme", "BENCH_SCHEMES", "DEFAULT_SCHEMES", "PPE_CLUSTERING_RATIO", "get_bench_scheme"]
+__all__ = [
+    "BenchScheme",
+    "BENCH_SCHEMES",
+    "DEFAULT_SCHEMES",
+    "PPE_CLUSTERING_RATIO",
+    "VIDEO_SECONDS_PER_FRAME",
+    "get_bench_scheme",
+]
 
 PPE_CLUSTERING_RATIO = 0.45  # the released PPE configuration's spatial_clustering_ratio
+VIDEO_SECONDS_PER_FRAME = 1.0  # mrope_abs_time's clock for the video task: 1 frame per second, temporal patch 1
 
 
 @dataclass(frozen=True)
@@ -72,7 +93,9 @@ class BenchScheme:
     ``tiled``: the task data cut large images into tiles and a thumbnail;
     ``side_embedding``: BiPE's intra-segment embedding is added to the inputs;
     ``merge_ratio``: visual tokens are merged before the language model, this fraction of each image or frame kept;
-    ``not_applicable``: {task: why the design does not apply to it}; those combinations are not run."""
+    ``not_applicable``: {task: why the design does not apply to it}; those combinations are not run;
+    ``seconds_per_frame``: the video timing of a design that reads it (Qwen2.5-VL's ``second_per_grid_ts``, one value
+    per video of each batch, training and evaluation alike), or None."""
 
     name: str
     scheme: str
@@ -85,6 +108,22 @@ class BenchScheme:
     side_embedding: bool = False
     merge_ratio: float | None = None
     not_applicable: dict[str, str] = field(default_factory=dict)
+    seconds_per_frame: float | None = None
+
+    def __post_init__(self) -> None:
+        spf = self.seconds_per_frame
+        if spf is not None and (isinstance(spf, bool) or not isinstance(spf, (int, float)) or not 0 < spf < 1e9):
+            raise ValueError(f"seconds_per_frame must be a positive finite number or None, got {spf!r}")
+
+    def call_inputs(self, video_grid_thw: torch.Tensor | None) -> dict[str, Any]:
+        """The per-call inputs of the design for a batch with videos ``video_grid_thw`` (V, 3) or None: with
+        ``seconds_per_frame``, ``second_per_grid_ts`` as a list of V values (as Qwen2.5-VL's processor gives it);
+        otherwise none."""
+        if video_grid_thw is not None and (not isinstance(video_grid_thw, torch.Tensor) or video_grid_thw.ndim != 2):
+            raise ValueError(f"video_grid_thw must be a (V, 3) tensor or None, got {video_grid_thw!r}")
+        if self.seconds_per_frame is None or video_grid_thw is None:
+            return {}
+        return {"second_per_grid_ts": [float(self.seconds_per_frame)] * int(video_grid_thw.shape[0])}
 
     def applies_to(self, task: str) -> bool:
         """Whether the benchmark runs this design on ``task``."""
@@ -121,7 +160,21 @@ BENCH_SCHEMES: dict[str, BenchScheme] = {
         BenchScheme("vrope", "vrope", note="VRoPE"),
         BenchScheme("videorope", "videorope", note="VideoRoPE (delta = 2)"),
         BenchScheme("hope", "hope", {"temporal_scale": 0.75}, _hope_train, note="HoPE: train gamma random, eval 0.75"),
+        BenchScheme(
+            "mrope_abs_time",
+            "mrope_abs_time",
+            {"tokens_per_second": 2.0},
+            seconds_per_frame=VIDEO_SECONDS_PER_FRAME,
+            note="Qwen2.5-VL M-RoPE, time ids in seconds (2 per second, clips at 1 frame per second)",
+        ),
         BenchScheme("circle_rope", "circle_rope", video_as_images=True, note="Circle-RoPE (video frames as images)"),
+        BenchScheme(
+            "circle_rope_age",
+            "circle_rope",
+            {"age": True},
+            video_as_images=True,
+            note="Circle-RoPE with AGE: Circle-RoPE ids on even layers, M-RoPE on odd (video frames as images)",
+        ),
         BenchScheme("cca", "cca", note="CCA: concentric ids and the inward intra-image mask"),
         BenchScheme("pype", "pype", {"interval": 1}, note="PyPE: CCA at layer 0, one level fewer per layer"),
         BenchScheme(
