@@ -10,9 +10,9 @@ Two tiny diffusers transformers, trained by rectified flow on the CPU (``train/e
   at 16 frames under every mode of ``--video-modes`` on the time axis; measured: the similarity of frame f to
   frame f + 8 (a clip that repeats itself scores near 1), against real 16-frame clips.
 
-The whole measurement (3 seeds, about 40 minutes of one CPU core):
+The whole measurement (3 seeds, about 25 minutes of one CPU core; 31 minutes on a 2-core CPU with one core busy):
 
-    python train/diffusion.py --results docs/benchmarks/results
+    python train/diffusion.py --threads 1 --results docs/benchmarks/results
 
 A check of the whole pipeline in seconds (a few steps of a smaller model; it says in one line that its numbers
 measure nothing, and its ``--results`` may be any folder but the published one):
