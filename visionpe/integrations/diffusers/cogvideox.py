@@ -46,7 +46,7 @@ from torch import nn
 
 from ...checks import check_int
 from ...grid import validate_grid_size
-from .patch import DiffusionFamily, _timestep_hook, register_family
+from .patch import DiffusionFamily, register_family
 from .wan import VIDEO_AXES, VideoRotary, _token_grid, grid_cos_sin
 
 __all__ = ["COGVIDEOX", "COGVIDEOX_15_TRAIN_GRID", "CogVideoXRotary", "resize_crop_region"]
@@ -139,7 +139,6 @@ class _RotaryArgumentHook:
         names = list(inspect.signature(type(model).forward).parameters)[1:]
         self.hidden_position = names.index("hidden_states")
         self.rotary_position = names.index("image_rotary_emb")
-        self.timestep_position = names.index("timestep")
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         carrier = getattr(module, "embedding_dropout", None)
@@ -149,8 +148,7 @@ class _RotaryArgumentHook:
                 module._forward_pre_hooks_with_kwargs.pop(key, None)
             return None
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[self.hidden_position]
-        # the timestep for DyPE, before the cos and sin are computed (the patch's own hook runs after this one)
-        _timestep_hook(carrier.rotary, COGVIDEOX.timestep_scale, self.timestep_position)(module, args, kwargs)
+        # the rotary has this call's timestep already: the patch's timestep hook runs before every other pre-hook
         emb = carrier.cos_sin(hidden)
         if len(args) > self.rotary_position:
             args = (*args[: self.rotary_position], emb, *args[self.rotary_position + 1 :])

@@ -141,15 +141,6 @@ def patched_rotary(transformer: nn.Module) -> DiffusionRotary | Extrapolation:
     return next(m for m in module.modules() if isinstance(m, Extrapolation))
 
 
-def _timestep_hook(rotary: DiffusionRotary, scale: float, position: int) -> Callable:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        # the argument as it is: the rotary converts it to DyPE's t in [0, 1] when it reads it (a hook computing
-        # nothing adds no graph under torch.compile)
-        rotary.set_timestep(kwargs.get("timestep", args[position] if len(args) > position else None), scale)
-
-    return hook
-
-
 class _TimestepHook:
     """The patched model's forward pre-hook: hands the call's ``timestep`` to the module at ``path`` (the rotary),
     looked up at every call, so that a copy of the model (``copy.deepcopy``) feeds its own rotary."""
@@ -222,8 +213,9 @@ def apply_position_scheme(
         replacement.to(device=param.device)
     setattr(transformer, family.attribute, replacement)
     path = next(f"{family.attribute}.{n}".rstrip(".") for n, m in replacement.named_modules() if m is rotary)
+    # first among the model's pre-hooks: a family's own hook (CogVideoX's rotary argument) reads the timestep after it
     hook = transformer.register_forward_pre_hook(
-        _TimestepHook(path, family.timestep_scale, _timestep_position(transformer)), with_kwargs=True
+        _TimestepHook(path, family.timestep_scale, _timestep_position(transformer)), with_kwargs=True, prepend=True
     )
     object.__setattr__(transformer, _STATE, _PatchState(family, own, hook.id))
     return PatchReport(family.name, family.attribute, rotary, rotary.train_grid_size)
