@@ -40,9 +40,8 @@ VIDEO_AXES = ("time", "height", "width")
 class VideoRotary(DiffusionRotary):
     """The :class:`DiffusionRotary` of the video transformers: the axes time, height, width.
 
-    RIFLEx's ``riflex_k`` is checked against each axis' bands, ``axes_dim[a] / 2`` (the generic check of
-    :class:`~visionpe.rotary.scaling.Extrapolation` reads the bands off a (..., ndim, P) frequency table with leading
-    dimensions, which a diffusion rotary's (ndim, P) table lacks).
+    RIFLEx's ``riflex_k`` is checked against each axis' bands, ``axes_dim[a] / 2``, read off the channels rather than
+    the frequency table, and a band an axis lacks is refused naming the axis (``time``) rather than its index.
     """
 
     def __init__(
