@@ -549,8 +549,9 @@ class Extrapolation(nn.Module):
         return None
 
     def accepted_extrapolation(self) -> tuple[str, ...]:
-        """The modes :meth:`set_extrapolation` accepts in this configuration."""
-        return tuple(mode for mode in EXTRAPOLATION_MODES if self.extrapolation_refusal(mode) is None)
+        """The modes :meth:`set_extrapolation` accepts in this configuration (DyPE on a diffusion rotary only)."""
+        modes = EXTRAPOLATION_MODES + DIFFUSION_MODES
+        return tuple(mode for mode in modes if self.extrapolation_refusal(mode) is None)
 
     def frequency_multipliers(self, freqs: torch.Tensor, factors: Sequence[float]) -> torch.Tensor:
         """(..., ndim, P) multiplier of each frequency under the current mode (:func:`scale_frequencies` over the

@@ -238,9 +238,6 @@ class DiffusionRotary(Extrapolation):
     def supported_extrapolation(self) -> tuple[str, ...]:
         return SCALING_MODES + ("riflex", "dype")
 
-    def accepted_extrapolation(self) -> tuple[str, ...]:
-        return tuple(mode for mode in self.supported_extrapolation if self.extrapolation_refusal(mode) is None)
-
     def axis_names(self, train_grid_size: Sequence[int] | None = None) -> tuple[str, ...]:
         return self.names
 

@@ -276,9 +276,6 @@ class SinCosPatchEmbed(Extrapolation):
                 return reason
         return super().extrapolation_refusal(mode, train_grid_size)
 
-    def accepted_extrapolation(self) -> tuple[str, ...]:
-        return tuple(mode for mode in self.supported_extrapolation if self.extrapolation_refusal(mode) is None)
-
     def forward(self, latent: torch.Tensor) -> torch.Tensor:
         height, width = latent.shape[-2] // self.patch_size, latent.shape[-1] // self.patch_size
         latent = self.proj(latent)
