@@ -71,20 +71,50 @@ DIFFUSION_MODES = ("dype",)
 AXIS_NAMES = {1: ("length",), 2: ("height", "width"), 3: ("time", "height", "width")}
 
 
-def axis_scale_factors(grid_size: Sequence[int], train_grid_size: Sequence[int]) -> tuple[float, ...]:
+def _check_grid_tensor(grid_size: torch.Tensor, name: str, ndim: int | None = None) -> torch.Tensor:
+    # a grid given as a tensor (ndim,) of positions per axis, read on its device: its shape is checked here, its
+    # values (taken from the input itself, e.g. the largest id + 1) are not read on the host
+    if grid_size.ndim != 1 or grid_size.numel() == 0 or (ndim is not None and grid_size.numel() != ndim):
+        expected = f"({ndim},)" if ndim is not None else "(ndim,)"
+        raise ValueError(
+            f"{name} must be a {expected} tensor of positions per axis, got shape {tuple(grid_size.shape)}"
+        )
+    if grid_size.is_complex() or grid_size.dtype == torch.bool:
+        raise TypeError(f"{name} must be a real tensor of positions per axis, got dtype {grid_size.dtype}")
+    return grid_size
+
+
+def axis_scale_factors(
+    grid_size: Sequence[int] | torch.Tensor, train_grid_size: Sequence[int]
+) -> tuple[float, ...] | torch.Tensor:
     """Per-axis factors s_a = max(1, grid_size[a] / train_grid_size[a]); a factor <= 1 leaves the axis alone.
+
+    ``grid_size`` may be a (ndim,) tensor (the grid read off a model's position ids on their device): the factors
+    are then a float64 tensor on that device, equal to the tuple the same grid as ints gives, and nothing is read
+    on the host (no synchronisation; no graph break under ``torch.compile``).
 
     Example:
         >>> axis_scale_factors((24, 14), (14, 14))
         (1.7142857142857142, 1.0)
+        >>> axis_scale_factors(torch.tensor([24, 14]), (14, 14))
+        tensor([1.7143, 1.0000], dtype=torch.float64)
     """
+    if isinstance(grid_size, torch.Tensor):
+        grid_size = _check_grid_tensor(grid_size, "grid_size")
+        train_grid_size = validate_grid_size(train_grid_size, "train_grid_size", ndims=(grid_size.numel(),))
+        train = torch.tensor(train_grid_size, dtype=torch.float64, device=grid_size.device)
+        return (grid_size.to(torch.float64) / train).clamp_min(1.0)
     grid_size = validate_grid_size(grid_size)
     train_grid_size = validate_grid_size(train_grid_size, "train_grid_size", ndims=(len(grid_size),))
     return tuple(max(1.0, n / n0) for n, n0 in zip(grid_size, train_grid_size, strict=True))
 
 
-def yarn_attention_factor(factors: Sequence[float]) -> float:
-    """YaRN's cos/sin multiplier 0.1 ln s + 1 with s = max_a s_a (1 when no axis is scaled)."""
+def yarn_attention_factor(factors: Sequence[float] | torch.Tensor) -> float | torch.Tensor:
+    """YaRN's cos/sin multiplier 0.1 ln s + 1 with s = max_a s_a (1 when no axis is scaled); a 0-d tensor for
+    factors given as a tensor (:func:`axis_scale_factors`)."""
+    if isinstance(factors, torch.Tensor):
+        s = factors.amax() if factors.numel() else factors.new_ones(())
+        return torch.where(s > 1, 0.1 * torch.log(s) + 1.0, torch.ones_like(s))
     s = max(factors) if len(factors) else 1.0
     return 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
 
@@ -151,7 +181,7 @@ def check_riflex_k(riflex_k: int | Sequence[int | None] | None, ndim: int) -> tu
 
 def riflex_frequencies(
     freqs: torch.Tensor,
-    grid_size: Sequence[int],
+    grid_size: Sequence[int] | torch.Tensor,
     train_grid_size: Sequence[int],
     riflex_k: int | Sequence[int | None] | None = None,
 ) -> torch.Tensor:
@@ -167,7 +197,9 @@ def riflex_frequencies(
 
     Args:
         freqs: (..., ndim, P) frequencies with at most one non-zero entry per pair (column): an axial spectrum.
-        grid_size: the test grid (ndim entries); its lengths are RIFLEx's L_test.
+        grid_size: the test grid (ndim entries); its lengths are RIFLEx's L_test. A (ndim,) tensor is read on its
+            device (no host synchronisation; the checks that read the frequencies' values run outside
+            ``torch.compile`` only).
         train_grid_size: the training grid (ndim entries).
         riflex_k: see :func:`check_riflex_k`; a given band must exist on its axis.
 
@@ -184,11 +216,16 @@ def riflex_frequencies(
             f"freqs must be a floating-point (..., ndim, P) tensor, got {getattr(freqs, 'shape', type(freqs))}"
         )
     ndim = freqs.shape[-2]
-    grid_size = validate_grid_size(grid_size, ndims=(ndim,))
+    on_device = isinstance(grid_size, torch.Tensor)
+    if on_device:
+        grid_size = _check_grid_tensor(grid_size, "grid_size", ndim).to(torch.float64).unbind()
+    else:
+        grid_size = validate_grid_size(grid_size, ndims=(ndim,))
     train_grid_size = validate_grid_size(train_grid_size, "train_grid_size", ndims=(ndim,))
     ks = check_riflex_k(riflex_k, ndim)
     freqs = freqs if freqs.dtype == torch.float64 else freqs.float()
-    if bool(((freqs != 0).sum(-2) > 1).any()):
+    checked = not torch.compiler.is_compiling()  # value checks are host reads: eager only
+    if checked and bool(((freqs != 0).sum(-2) > 1).any()):
         raise ValueError(
             "riflex needs an axial spectrum (each rotary pair turning with one coordinate axis), but a pair of freqs "
             "has non-zero frequencies on several axes"
@@ -197,7 +234,7 @@ def riflex_frequencies(
     pairs = freqs.shape[-1]
     index = torch.arange(pairs, device=freqs.device)
     for axis, (n, n0, k) in enumerate(zip(grid_size, train_grid_size, ks, strict=True)):
-        if k == 0 or n <= n0:
+        if k == 0 or (not on_device and n <= n0):
             continue
         f = rows[axis]
         mag = f.detach().double().abs()
@@ -214,12 +251,13 @@ def riflex_frequencies(
             chosen = (distance * (pairs + 1) + band).argmin(-1, keepdim=True)
             selected = (index == chosen) & used
         else:
-            bands = int(used.sum(-1).min()) if used.numel() else 0
+            bands = int(used.sum(-1).min()) if checked and used.numel() else k
             if k > bands:
                 raise ValueError(f"riflex_k[{axis}] must be a band of axis {axis}, which has {bands} bands, got {k}")
             selected = used & (band == k)
         period_k = (periods * selected).sum(-1, keepdim=True)
-        edit = selected & (n > period_k)
+        # an axis no longer than its training length is left alone (decided on the device for a tensor grid)
+        edit = selected & (n > period_k) & (n > n0) if on_device else selected & (n > period_k)
         value = torch.sign(f) * (0.9 * 2 * math.pi / n)
         rows[axis] = torch.where(edit, value, f)
     return torch.stack(rows, dim=-2)
@@ -227,7 +265,7 @@ def riflex_frequencies(
 
 def scale_frequencies(
     freqs: torch.Tensor,
-    factors: Sequence[float],
+    factors: Sequence[float] | torch.Tensor,
     mode: str,
     train_grid_size: Sequence[int] | None = None,
     alpha: float = 1.0,
@@ -240,7 +278,9 @@ def scale_frequencies(
     Args:
         freqs: (..., ndim, P) frequencies; row a holds the rate of every pair along coordinate axis a
             (zero where a pair ignores the axis; zeros stay zero).
-        factors: ndim per-axis factors s_a (see :func:`axis_scale_factors`).
+        factors: ndim per-axis factors s_a (see :func:`axis_scale_factors`): numbers, or a (ndim,) tensor of
+            factors >= 1 computed on the device (an axis at 1 keeps its frequencies exactly; nothing is read on the
+            host, so the scaling traces into a ``torch.compile`` graph).
         mode: one of :data:`EXTRAPOLATION_MODES`.
         train_grid_size: training grid (ndim entries), needed by ``yarn`` for L_a and by ``riflex`` (whose test
             lengths are s_a * n0_a).
@@ -259,9 +299,12 @@ def scale_frequencies(
         raise ValueError(f"mode must be one of {EXTRAPOLATION_MODES}, got {mode!r}")
     if not isinstance(freqs, torch.Tensor) or freqs.ndim < 2:
         raise ValueError(f"freqs must be a (..., ndim, P) tensor, got {getattr(freqs, 'shape', type(freqs))}")
-    if len(factors) != freqs.shape[-2]:
+    on_device = isinstance(factors, torch.Tensor)
+    if on_device:
+        factors = _check_grid_tensor(factors, "factors", freqs.shape[-2])
+    elif len(factors) != freqs.shape[-2]:
         raise ValueError(f"factors must have ndim = {freqs.shape[-2]} entries, got {tuple(factors)}")
-    if any(not s > 0 for s in factors):
+    elif any(not s > 0 for s in factors):
         raise ValueError(f"factors must be positive, got {tuple(factors)}")
     if riflex_k is not None and mode != "riflex":
         raise ValueError(f"riflex_k applies to mode='riflex' only, got mode={mode!r} and riflex_k={riflex_k!r}")
@@ -271,35 +314,41 @@ def scale_frequencies(
         if not beta > alpha:
             raise ValueError(f"yarn needs beta > alpha, got alpha={alpha}, beta={beta}")
     freqs = freqs if freqs.dtype == torch.float64 else freqs.float()
-    if mode == "none" or all(s <= 1 for s in factors):
+    if mode == "none" or (not on_device and all(s <= 1 for s in factors)):
         return freqs
     if mode == "riflex":  # the test lengths are s_a * n0_a (the factors are their ratios to the training grid)
-        grid_size = tuple(max(n0, round(s * n0)) for s, n0 in zip(factors, train_grid_size, strict=True))
+        if on_device:
+            train = torch.tensor(train_grid_size, dtype=factors.dtype, device=factors.device)
+            grid_size = torch.maximum(train, torch.round(factors * train))
+        else:
+            grid_size = tuple(max(n0, round(s * n0)) for s, n0 in zip(factors, train_grid_size, strict=True))
         return riflex_frequencies(freqs, grid_size, train_grid_size, riflex_k)
     rows = []
     rates = freqs.detach().norm(dim=-2)  # (..., P): each pair's rate over all axes, NTK's scale of bands
-    for axis, s in enumerate(factors):
+    for axis, s in enumerate(factors.unbind() if on_device else factors):
         f = freqs[..., axis, :]
-        if s <= 1:
+        if not on_device and s <= 1:
             rows.append(f)
             continue
         if mode == "pi":
-            rows.append(f / s)
-            continue
-        mag = f.detach().abs()
-        used = mag > 0
-        if mode == "ntk":
-            hi = torch.where(used, mag, torch.zeros_like(mag)).amax(-1, keepdim=True)
-            lo = torch.where(used, rates, torch.full_like(rates, float("inf"))).amin(-1, keepdim=True)
-            span = torch.log(hi / lo)
-            # the band position in [0, 1]: 0 for the axis' fastest component, 1 at (or below) the slowest pair's rate
-            rho = (torch.log(hi / mag.clamp_min(1e-30)) / span).clamp(0.0, 1.0)
-            rho = torch.where(used & (span > 0), rho, torch.zeros_like(mag))
-            rows.append(f * s ** (-rho))
+            scaled = f / s
         else:
-            ratio = train_grid_size[axis] * mag / (2 * math.pi)
-            gamma = ((ratio - alpha) / (beta - alpha)).clamp(0.0, 1.0)
-            rows.append((1 - gamma) * f / s + gamma * f)
+            mag = f.detach().abs()
+            used = mag > 0
+            if mode == "ntk":
+                hi = torch.where(used, mag, torch.zeros_like(mag)).amax(-1, keepdim=True)
+                lo = torch.where(used, rates, torch.full_like(rates, float("inf"))).amin(-1, keepdim=True)
+                span = torch.log(hi / lo)
+                # the band position in [0, 1]: 0 for the axis' fastest component, 1 at (or below) the slowest rate
+                rho = (torch.log(hi / mag.clamp_min(1e-30)) / span).clamp(0.0, 1.0)
+                rho = torch.where(used & (span > 0), rho, torch.zeros_like(mag))
+                scaled = f * s ** (-rho)
+            else:
+                ratio = train_grid_size[axis] * mag / (2 * math.pi)
+                gamma = ((ratio - alpha) / (beta - alpha)).clamp(0.0, 1.0)
+                scaled = (1 - gamma) * f / s + gamma * f
+        # an axis at factor 1 keeps its frequencies exactly (decided on the device for tensor factors)
+        rows.append(torch.where(s > 1, scaled, f) if on_device else scaled)
     return torch.stack(rows, dim=-2)
 
 
@@ -564,23 +613,31 @@ class Extrapolation(nn.Module):
             )
             return torch.where(freqs != 0, scaled / torch.where(freqs != 0, freqs, 1.0), 1.0)
 
-    def scale_factors(self, grid_size: Sequence[int] | None) -> tuple[float, ...] | None:
-        """Per-axis factors for the current grid, or None when nothing is scaled."""
+    def scale_factors(self, grid_size: Sequence[int] | torch.Tensor | None) -> tuple[float, ...] | torch.Tensor | None:
+        """Per-axis factors for the current grid, or None when nothing is scaled; for a grid given as a (ndim,)
+        tensor, a float64 tensor on its device (never None: whether an axis is scaled is decided there)."""
         if self.extrapolation == "none" or grid_size is None:
             return None
         if len(grid_size) != len(self.train_grid_size):
-            raise ValueError(
-                f"grid_size {tuple(grid_size)} and the training grid {self.train_grid_size} have different ranks"
-            )
+            shown = tuple(grid_size.shape) if isinstance(grid_size, torch.Tensor) else tuple(grid_size)
+            raise ValueError(f"grid_size {shown} and the training grid {self.train_grid_size} have different ranks")
         factors = axis_scale_factors(grid_size, self.train_grid_size)
         selected = getattr(self, "extrapolation_axes", None)
+        if isinstance(factors, torch.Tensor):
+            if selected is not None:
+                keep = torch.tensor([a in selected for a in range(len(factors))], device=factors.device)
+                factors = torch.where(keep, factors, torch.ones_like(factors))
+            return factors
         if selected is not None:
             factors = tuple(s if a in selected else 1.0 for a, s in enumerate(factors))
         return None if all(s <= 1 for s in factors) else factors
 
-    def adjust_frequencies(self, freqs: torch.Tensor, grid_size: Sequence[int] | None) -> tuple[torch.Tensor, float]:
+    def adjust_frequencies(
+        self, freqs: torch.Tensor, grid_size: Sequence[int] | torch.Tensor | None
+    ) -> tuple[torch.Tensor, float | torch.Tensor]:
         """``freqs`` (..., ndim, P) for ``grid_size``: scaled by the mode (:func:`scale_frequencies`; RIFLEx's band
-        edit), then times ``band_multiplier`` when one is set; and YaRN's cos/sin multiplier (1 otherwise).
+        edit), then times ``band_multiplier`` when one is set; and YaRN's cos/sin multiplier (1 otherwise; a 0-d
+        tensor for a grid given as a tensor, which is read on its device).
 
         ``freqs`` comes back as it is when neither applies (same tensor, gradient and dtype).
         """
