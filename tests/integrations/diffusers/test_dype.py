@@ -174,3 +174,17 @@ def test_the_timestep_reaches_the_rotary_positionally_and_at_every_call(flux):
     rotary.timestep = None
     with pytest.raises(RuntimeError, match="timestep"):
         rotary.cos_sin(torch.zeros(4, 3), (1, 8, 8))
+
+
+@pytest.mark.parametrize("method", ["yarn", "ntk"])
+@pytest.mark.parametrize("length", [3, 4, 6, 8, 13])
+def test_a_length_on_the_device_gives_the_same_frequencies(length, method):
+    # the grid Flux reads off its ids stays a tensor (no host sync): the same frequencies and multiplier as the
+    # length given as an int, the model's own at or below the training length
+    timestep = torch.tensor(0.7, dtype=torch.float64)
+    expected = dype_frequencies(16, THETA, 4, length, timestep, method)
+    got = dype_frequencies(16, THETA, 4, torch.tensor(float(length)), timestep, method)
+    assert torch.equal(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-15, atol=0)
+    with pytest.raises(ValueError, match=r"length must be a number or a real 0-d tensor, got shape \(2,\)"):
+        dype_frequencies(16, THETA, 4, torch.tensor([8.0, 8.0]), timestep, method)

@@ -155,27 +155,32 @@ def test_each_mode_changes_only_the_named_axes_as_scale_frequencies(flux, mode, 
         assert same == (name not in named), (name, mode, axes)
 
 
-@pytest.mark.parametrize("mode", ["none", "dype"])
+FLUX_MODES = ["none", "pi", "ntk", "yarn", "riflex", "dype"]
+
+
+@pytest.mark.parametrize("mode", FLUX_MODES)
 def test_a_compiled_patched_flux_equals_eager(flux, mode):
-    # torch.compile over the whole patched model (AOTAutograd, without inductor's code generation: seconds on a CPU);
-    # "dype" reads the ids' grid on the host (a graph break) and the timestep the hook hands over
+    # torch.compile over the whole patched model (AOTAutograd, without inductor's code generation: seconds on a CPU),
+    # at twice the training side so that the mode changes the frequencies; DyPE reads the timestep the hook hands over
     apply_position_scheme(flux, train_grid_size=TRAIN_GRID)
     visionpe.set_extrapolation(flux, mode)
     inputs = flux_inputs(8, 8)
     eager = run(flux, inputs)
-    compiled = torch.compile(flux, fullgraph=False, backend="aot_eager")
+    compiled = torch.compile(flux, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(run(compiled, inputs), eager, rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
 
 
-def test_no_graph_break_in_the_patched_models_in_mode_none(flux):
-    # the rotary of Flux in mode "none" and the timestep pre-hook trace into the model's one graph; in the other
-    # modes Flux's rotary reads the grid off its ids (one host sync and a graph break, as in the released DyPE code)
+@pytest.mark.parametrize("mode", FLUX_MODES)
+def test_no_graph_break_in_patched_flux_in_any_mode(flux, mode):
+    # the rotary reads the grid off its ids on their device (no host sync) and the timestep pre-hook hands over a
+    # tensor: both trace into the model's one graph, with a Kontext reference image too
     apply_position_scheme(flux, train_grid_size=TRAIN_GRID)
-    inputs = flux_inputs(8, 8)
+    visionpe.set_extrapolation(flux, mode)
+    patched_rotary(flux).timestep = torch.tensor([0.7])  # what the hook sets; DyPE reads it
     explanation = torch._dynamo.explain(flux.pos_embed)(flux_ids(8, 8))
     assert explanation.graph_break_count == 0, explanation.break_reasons
-    explanation = torch._dynamo.explain(flux)(**inputs)
+    explanation = torch._dynamo.explain(flux)(**flux_inputs(8, 6, reference=(4, 4)))
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
     torch._dynamo.reset()
 

@@ -294,6 +294,27 @@ def test_a_mode_on_the_time_axis_changes_only_the_time_block(family, mode):
     assert (run(model, inputs) - original).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("family", ["wan", "hunyuan_video", "cogvideox"])
+@pytest.mark.parametrize("mode", ["none", "pi", "ntk", "yarn", "riflex", "dype"])
+def test_no_graph_break_in_a_patched_video_model_in_any_mode(family, mode):
+    # the grid comes from the latents' shape and the timestep stays a tensor: at twice the training frames and side
+    # the patched model traces without a break (Wan, HunyuanVideo: one graph; CogVideoX: its rotary is computed by
+    # a forward pre-hook, which dynamo compiles as a graph of its own before the model's), compiles with
+    # fullgraph=True and equals the eager model
+    model = MODELS[family]()
+    apply_position_scheme(model, train_grid_size=TRAIN)
+    visionpe.set_extrapolation(model, mode)
+    p = 1 if family == "hunyuan_video" else 2
+    inputs = video_inputs(family, 8, 4 * p, 4 * p)
+    explanation = torch._dynamo.explain(model)(**inputs, return_dict=False)
+    assert explanation.break_reasons == []
+    assert explanation.graph_count == (2 if family == "cogvideox" else 1)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(run(compiled, inputs), run(model, inputs), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+
+
 # --- Wan -----------------------------------------------------------------------------------------------------------
 
 

@@ -18,9 +18,9 @@ from .rotary import DiffusionRotary
 __all__ = ["FLUX", "FluxRotary"]
 
 
-def _grid_of(ids: torch.Tensor) -> tuple[int, ...]:
-    # positions per axis: the largest id + 1 (the released DyPE code's "current patches"); one host sync
-    return tuple(int(v) + 1 for v in ids.amax(0).tolist())
+def _grid_of(ids: torch.Tensor) -> torch.Tensor:
+    # positions per axis: the largest id + 1 (the released DyPE code's "current patches"), kept on the ids' device
+    return ids.amax(0) + 1
 
 
 class FluxRotary(nn.Module):
@@ -28,8 +28,8 @@ class FluxRotary(nn.Module):
     :class:`DiffusionRotary` over the axes index, height, width (the index axis is never scaled).
 
     In a mode other than ``"none"`` the current grid is read off the ids (largest id + 1 per axis, as the released
-    DyPE code reads it): one host synchronisation, a graph break under ``torch.compile``. In mode ``"none"`` the
-    module traces into the model's graph."""
+    DyPE code reads it) and stays on their device: the mode is computed there, without the host synchronisation of
+    the released code's ``.item()``, so the module traces into the model's ``torch.compile`` graph in every mode."""
 
     def __init__(self, axes_dim, theta: float, train_grid_size=None) -> None:
         super().__init__()

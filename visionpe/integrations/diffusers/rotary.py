@@ -67,7 +67,7 @@ def dype_frequencies(
     dim: int,
     theta: float,
     train_length: int,
-    length: int | float,
+    length: int | float | torch.Tensor,
     timestep: float | torch.Tensor,
     method: str = "yarn",
     exponent: float = 2.0,
@@ -94,7 +94,9 @@ def dype_frequencies(
         theta: the axis' RoPE base.
         train_length: the training length of the axis in positions (the released code's ``ori_max_pe_len``, 64 for
             Flux at 1024 px).
-        length: the current length (largest position + 1).
+        length: the current length (largest position + 1); a 0-d tensor (read off the ids on their device) keeps
+            the computation there: whether the axis is extrapolated is then decided on the device, without a host
+            sync.
         timestep: t in [0, 1], a float or a 0-d tensor (a tensor keeps the computation on the device, without a
             host sync).
         method: one of :data:`DYPE_METHODS`.
@@ -109,32 +111,44 @@ def dype_frequencies(
     """
     check_int(dim, "dim", min=4)
     check_int(train_length, "train_length", min=1)
-    check_float(length, "length", min=0, min_open=True, expected="a positive number of positions")
+    on_device = isinstance(length, torch.Tensor)
+    if on_device and (length.ndim != 0 or length.is_complex() or length.dtype == torch.bool):
+        raise ValueError(f"length must be a number or a real 0-d tensor, got shape {tuple(length.shape)}")
+    if not on_device:
+        check_float(length, "length", min=0, min_open=True, expected="a positive number of positions")
     check_choice(method, "method", DYPE_METHODS)
     check_float(exponent, "exponent", min=0, min_open=True, expected="a positive number (DyPE's lambda_t)")
-    base = rope_frequencies(dim, theta, dtype)
+    device = length.device if on_device else timestep.device if isinstance(timestep, torch.Tensor) else None
+    base = rope_frequencies(dim, theta, dtype, device)
     t = timestep if isinstance(timestep, torch.Tensor) else torch.tensor(float(timestep), dtype=torch.float64)
     if not isinstance(timestep, torch.Tensor):
         check_float(timestep, "timestep", min=0, max=1, expected="a diffusion timestep in [0, 1]")
-    t = t.to(torch.float64 if dtype == torch.float64 else torch.float32)
-    one = torch.ones((), dtype=dtype)
-    if length <= train_length:
+    t = t.to(device=base.device, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    one = torch.ones((), dtype=dtype, device=base.device)
+    if not on_device and length <= train_length:
         return base, one
-    scale = float(length) / train_length
+    # s, as a Python float (the released code's) or as a float64 tensor on the ids' device
+    scale = length.to(torch.float64) / train_length if on_device else float(length) / train_length
     kappa = exponent * t**exponent
-    index = torch.arange(0, dim, 2, dtype=dtype)[: dim // 2] / dim
+    index = torch.arange(0, dim, 2, dtype=dtype, device=base.device)[: dim // 2] / dim
     if method == "ntk":
         factor = torch.clamp_min((scale ** (dim / (dim - 2))) ** kappa, 1.0).to(dtype)
-        return 1.0 / ((theta * factor) ** index), one
-    linear = 1.0 / (scale * theta**index)
-    ntk = 1.0 / ((theta * scale ** (dim / (dim - 2))) ** index)
-    low, high = _correction_range(1.25**kappa, 0.75**kappa, dim, theta, train_length)
-    mask = 1 - _ramp(low, high, dim // 2, dtype)
-    freqs = linear * (1 - mask) + ntk * mask
-    low, high = _correction_range(16**kappa, 2**kappa, dim, theta, train_length)
-    mask = 1 - _ramp(low, high, dim // 2, dtype)
-    freqs = freqs * (1 - mask) + base * mask
-    return freqs, torch.tensor(0.1 * math.log(scale) + 1.0, dtype=dtype)
+        freqs, mscale = 1.0 / ((theta * factor) ** index), one
+    else:
+        linear = 1.0 / (scale * theta**index)
+        ntk = 1.0 / ((theta * scale ** (dim / (dim - 2))) ** index)
+        low, high = _correction_range(1.25**kappa, 0.75**kappa, dim, theta, train_length)
+        mask = 1 - _ramp(low, high, dim // 2, dtype)
+        freqs = linear * (1 - mask) + ntk * mask
+        low, high = _correction_range(16**kappa, 2**kappa, dim, theta, train_length)
+        mask = 1 - _ramp(low, high, dim // 2, dtype)
+        freqs = freqs * (1 - mask) + base * mask
+        log = torch.log(scale) if on_device else math.log(scale)
+        mscale = torch.as_tensor(0.1 * log + 1.0, dtype=dtype, device=base.device)
+    if on_device:  # an axis no longer than its training length keeps the model's own frequencies
+        longer = length > train_length
+        return torch.where(longer, freqs, base), torch.where(longer, mscale, one)
+    return freqs, mscale
 
 
 class DiffusionRotary(Extrapolation):
@@ -274,34 +288,48 @@ class DiffusionRotary(Extrapolation):
         )
         return {"dype_method": method, "dype_exponent": exponent}
 
-    def frequencies(self) -> torch.Tensor:
+    def frequencies(self, device: torch.device | str | None = None) -> torch.Tensor:
         """(ndim, P) frequencies, P = sum(axes_dim) / 2: row a holds axis a's frequencies on its block of pairs and
-        zeros elsewhere (an axial spectrum)."""
-        out = torch.zeros(len(self.axes_dim), self.dim // 2, dtype=self.freqs_dtype)
+        zeros elsewhere (an axial spectrum); on ``device`` (default: the CPU)."""
+        out = torch.zeros(len(self.axes_dim), self.dim // 2, dtype=self.freqs_dtype, device=device)
         start = 0
         for a, (d, theta) in enumerate(zip(self.axes_dim, self.thetas, strict=True)):
-            out[a, start : start + d // 2] = rope_frequencies(d, theta, self.freqs_dtype)
+            out[a, start : start + d // 2] = rope_frequencies(d, theta, self.freqs_dtype, device)
             start += d // 2
         return out
 
-    def axis_frequencies(self, grid_size: Sequence[int] | None) -> list[tuple[torch.Tensor, torch.Tensor | float]]:
+    def axis_frequencies(
+        self, grid_size: Sequence[int] | torch.Tensor | None
+    ) -> list[tuple[torch.Tensor, torch.Tensor | float]]:
         """Per axis, its (d_a / 2,) frequencies under the current mode for a grid of ``grid_size`` positions per
-        axis, and the multiplier of its cos and sin (YaRN's on every axis, DyPE's per axis, 1 otherwise)."""
+        axis, and the multiplier of its cos and sin (YaRN's on every axis, DyPE's per axis, 1 otherwise).
+
+        ``grid_size`` may be a (ndim,) tensor, the grid read off the model's ids on their device: the mode is then
+        computed there, equal to the same grid given as ints, with no host synchronisation (so the rotary traces
+        into one ``torch.compile`` graph)."""
         if self.extrapolation == "none" or grid_size is None:
             return [
                 (rope_frequencies(d, t, self.freqs_dtype), 1.0) for d, t in zip(self.axes_dim, self.thetas, strict=True)
             ]
-        grid_size = validate_grid_size(grid_size, ndims=self.ndims)
+        if isinstance(grid_size, torch.Tensor):
+            if grid_size.shape != (len(self.axes_dim),):
+                raise ValueError(
+                    f"grid_size must be a ({len(self.axes_dim)},) tensor of positions per axis, "
+                    f"got shape {tuple(grid_size.shape)}"
+                )
+            device = grid_size.device
+        else:
+            grid_size, device = validate_grid_size(grid_size, ndims=self.ndims), None
         if self.extrapolation == "dype":
             return self._dype(grid_size)
-        freqs, mscale = self.adjust_frequencies(self.frequencies(), grid_size)
+        freqs, mscale = self.adjust_frequencies(self.frequencies(device), grid_size)
         out, start = [], 0
         for a, d in enumerate(self.axes_dim):
             out.append((freqs[a, start : start + d // 2], mscale))
             start += d // 2
         return out
 
-    def _dype(self, grid_size: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor | float]]:
+    def _dype(self, grid_size: tuple[int, ...] | torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor | float]]:
         timestep = self.timestep
         if timestep is None:
             raise RuntimeError(
@@ -311,7 +339,8 @@ class DiffusionRotary(Extrapolation):
         selected = self.extrapolation_axes
         out = []
         for a, (d, theta) in enumerate(zip(self.axes_dim, self.thetas, strict=True)):
-            if (selected is not None and a not in selected) or grid_size[a] <= self.train_grid_size[a]:
+            shorter = not isinstance(grid_size, torch.Tensor) and grid_size[a] <= self.train_grid_size[a]
+            if (selected is not None and a not in selected) or shorter:
                 out.append((rope_frequencies(d, theta, self.freqs_dtype), 1.0))
                 continue
             out.append(
