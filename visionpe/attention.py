@@ -381,7 +381,12 @@ class PosAttention(Attention):
                 bias, is_causal = bias.masked_fill(future, float("-inf")), False
 
         if self.fused_attn and not any(layer.needs_probs for layer in layers):
-            return F.scaled_dot_product_attention(
+            width = v.shape[-1]
+            if q.shape[-1] != width:
+                # q and k with appended channels (PaPE): the fused kernels (flash on the CPU and on CUDA) take one
+                # head width for q, k and v, so v gets zero channels, which add nothing to the output, cut off after
+                v = F.pad(v, (0, q.shape[-1] - width))
+            out = F.scaled_dot_product_attention(
                 q,
                 k,
                 v,
@@ -389,8 +394,9 @@ class PosAttention(Attention):
                 dropout_p=self.attn_drop.p if self.training else 0.0,
                 is_causal=is_causal,
                 # q and k with appended channels keep the scale of the original heads
-                scale=self.scale if q.shape[-1] != v.shape[-1] else None,
+                scale=self.scale if q.shape[-1] != width else None,
             )
+            return out if out.shape[-1] == width else out[..., :width]
         attn = (q * self.scale) @ k.transpose(-2, -1)
         if bias is not None:
             attn = attn + bias

@@ -222,6 +222,33 @@ def test_model_attention_equals_naive_attention_with_the_explicit_bias(name):
     torch.testing.assert_close(augmented, explicit, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["pape", "pape_ri"])
+def test_augmented_heads_run_on_the_flash_kernel(name):
+    # the fused kernels take one head width for q, k and v: v gets zero channels to the augmented width, so the
+    # attention runs on the flash kernel alone (no N x N attention matrix), with the same outputs and gradients as
+    # the explicit bias path
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "visionpe_vit_tiny_patch16_224", pos_embed=name, embed_dim=32, num_heads=2, depth=2, img_size=(48, 80)
+    )
+    _randomise(model.pos_schemes[name])
+    images = torch.randn(2, 3, 48, 80)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        flash = model.forward_features(images)
+        flash.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.pos_schemes[name].augments_qk = False
+    explicit = model.forward_features(images)
+    explicit.square().mean().backward()
+    torch.testing.assert_close(flash, explicit, atol=1e-5, rtol=1e-5)
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
 def test_gradients_reach_every_parameter_and_stay_fp32_under_autocast():
     scheme = visionpe.create_pos_embed("pape", dim=32, num_heads=2, parabolas=4, depth=2)
     q, k, tokens = _inputs(scheme, GRID, 1)
