@@ -70,7 +70,9 @@ def test_a_grid_tensor_of_another_shape_or_kind_is_refused():
         axis_scale_factors(torch.tensor([16, 6, 4]), TRAIN)
     with pytest.raises(TypeError, match=r"grid_size must be a real tensor.*torch.bool"):
         axis_scale_factors(torch.tensor([True, False]), TRAIN)
-    with pytest.raises(ValueError, match=r"factors must be a \(2,\) tensor.*got shape \(3,\)"):
+    with pytest.raises(
+        ValueError, match=r"factors must be a \(2,\) tensor of scale factors per axis, got shape \(3,\)"
+    ):
         scale_frequencies(freqs, torch.ones(3, dtype=torch.float64), "pi", TRAIN)
     with pytest.raises(ValueError, match=r"grid_size must be a \(2,\) tensor.*got shape \(3,\)"):
         riflex_frequencies(freqs, torch.tensor([16, 6, 4]), TRAIN)

@@ -71,16 +71,16 @@ DIFFUSION_MODES = ("dype",)
 AXIS_NAMES = {1: ("length",), 2: ("height", "width"), 3: ("time", "height", "width")}
 
 
-def _check_grid_tensor(grid_size: torch.Tensor, name: str, ndim: int | None = None) -> torch.Tensor:
-    # a grid given as a tensor (ndim,) of positions per axis, read on its device: its shape is checked here, its
-    # values (taken from the input itself, e.g. the largest id + 1) are not read on the host
+def _check_grid_tensor(
+    grid_size: torch.Tensor, name: str, ndim: int | None = None, what: str = "positions"
+) -> torch.Tensor:
+    # a grid (or its factors) given as a (ndim,) tensor, read on its device: its shape is checked here, its values
+    # (taken from the input itself, e.g. the largest id + 1) are not read on the host
     if grid_size.ndim != 1 or grid_size.numel() == 0 or (ndim is not None and grid_size.numel() != ndim):
         expected = f"({ndim},)" if ndim is not None else "(ndim,)"
-        raise ValueError(
-            f"{name} must be a {expected} tensor of positions per axis, got shape {tuple(grid_size.shape)}"
-        )
+        raise ValueError(f"{name} must be a {expected} tensor of {what} per axis, got shape {tuple(grid_size.shape)}")
     if grid_size.is_complex() or grid_size.dtype == torch.bool:
-        raise TypeError(f"{name} must be a real tensor of positions per axis, got dtype {grid_size.dtype}")
+        raise TypeError(f"{name} must be a real tensor of {what} per axis, got dtype {grid_size.dtype}")
     return grid_size
 
 
@@ -301,7 +301,7 @@ def scale_frequencies(
         raise ValueError(f"freqs must be a (..., ndim, P) tensor, got {getattr(freqs, 'shape', type(freqs))}")
     on_device = isinstance(factors, torch.Tensor)
     if on_device:
-        factors = _check_grid_tensor(factors, "factors", freqs.shape[-2])
+        factors = _check_grid_tensor(factors, "factors", freqs.shape[-2], "scale factors")
     elif len(factors) != freqs.shape[-2]:
         raise ValueError(f"factors must have ndim = {freqs.shape[-2]} entries, got {tuple(factors)}")
     elif any(not s > 0 for s in factors):

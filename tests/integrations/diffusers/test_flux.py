@@ -17,7 +17,7 @@ from visionpe.integrations.diffusers import (
 )
 from visionpe.integrations.diffusers.flux import FLUX, FluxRotary
 
-from .conftest import TRAIN_GRID, flux_inputs, run, run_capturing_rotary
+from .conftest import AXES, TRAIN_GRID, flux_ids, flux_inputs, run, run_capturing_rotary
 
 
 def assert_same(patched: tuple, original: tuple) -> None:
@@ -109,3 +109,14 @@ def test_train_grid_size_is_the_modes_reference(flux):
     visionpe.set_extrapolation(flux, "pi", train_grid_size=TRAIN_GRID)
     assert patched_rotary(flux).train_grid_size == TRAIN_GRID
     assert not torch.allclose(run(flux, inputs), original, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["none", "pi", "ntk", "yarn", "dype"])
+def test_the_rotary_stays_on_the_device_of_its_ids(mode):
+    # the meta device stands in for an accelerator: ids and timestep there, every tensor the mode builds follows
+    # them (a CPU tensor mixed in raises); riflex is left out: its eager check reads the frequencies on the host
+    rotary = FluxRotary(AXES, 10000.0, TRAIN_GRID)
+    rotary.rotary.set_extrapolation(mode)
+    rotary.rotary.timestep = torch.tensor([0.7], device="meta")
+    cos, sin = rotary(flux_ids(8, 8).to("meta"))
+    assert cos.device.type == sin.device.type == "meta" and cos.shape == (64, sum(AXES))
