@@ -94,13 +94,16 @@ def write_results_files(
     out.mkdir(parents=True, exist_ok=True)
     rows = sorted(rows, key=_order)
     sections = [header("cpu", command)]  # the benchmark trains and evaluates on the CPU (train_and_evaluate)
-    if earlier is not None:
-        kept = sorted({r["scheme"] for r in rows if r.get("kept")}, key=list(BENCH_SCHEMES).index)
-        sections.append(f"Rows of {', '.join(kept)} kept from an earlier run (`--update`): measured {earlier}")
     if isinstance(older, str) or any(not isinstance(line, str) or not line.startswith(KEPT) for line in older):
         raise ValueError(f"older must be lines starting with {KEPT!r}, got {older!r}")
     if older and earlier is None:
         raise ValueError("older lines come with the earlier run's (earlier=...), got earlier=None")
+    if earlier is not None:
+        # a scheme named by an older line was measured by the run that line names, not by the earlier run
+        from_older = {scheme for line in older for scheme in _kept_schemes(line)}
+        kept = sorted({r["scheme"] for r in rows if r.get("kept")} - from_older, key=list(BENCH_SCHEMES).index)
+        if kept:
+            sections.append(f"Rows of {', '.join(kept)} kept from an earlier run (`--update`): measured {earlier}")
     sections += list(older)
     schemes = list(dict.fromkeys(r["scheme"] for r in rows))
     for task in TASKS:
@@ -144,12 +147,16 @@ def kept_lines(results_dir: str | Path, schemes: Sequence[str], name: str = "vlm
     md_path = Path(results_dir) / f"{name}.md"
     if not md_path.is_file():
         return []
-    lines = []
-    for line in md_path.read_text().splitlines():
-        named = line.removeprefix(KEPT).split(" kept from ")[0].split(", ")
-        if line.startswith(KEPT) and set(named) & set(schemes):
-            lines.append(line)
-    return lines
+    return [
+        line
+        for line in md_path.read_text().splitlines()
+        if line.startswith(KEPT) and set(_kept_schemes(line)) & set(schemes)
+    ]
+
+
+def _kept_schemes(line: str) -> list[str]:
+    """The schemes a "Rows of ... kept from ..." line names."""
+    return line.removeprefix(KEPT).split(" kept from ")[0].split(", ")
 
 
 def check_previous_rows(

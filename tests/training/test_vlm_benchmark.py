@@ -599,12 +599,23 @@ def test_update_measures_the_named_schemes_and_keeps_the_others(tmp_path, monkey
         _script().previous_rows(tmp_path / "nothing")
     with pytest.raises(SystemExit):
         _script().main([*base, "--update", "--out", str(tmp_path / "d")])  # --update needs --results and --schemes
-    # a further update keeps the line saying where the earliest rows were measured, after the previous run's
+    # a further update keeps the line saying where the earliest rows were measured, after the previous run's; each
+    # kept scheme is named on the line of the run that measured it (mrope by the first run, not the second)
     _fake_runs(monkeypatch, acc=80.0)
     _script().main([*base, "--schemes", "cca", "--out", str(tmp_path / "e"), "--results", results, "--update"])
     lines = [line for line in (tmp_path / "docs" / "vlm.md").read_text().splitlines() if line]
-    assert lines[1] == f"Rows of mrope, rope_dhr kept from an earlier run (`--update`): measured {first[9:]}"
+    assert lines[1] == f"Rows of rope_dhr kept from an earlier run (`--update`): measured {first[9:]}"
     assert lines[2] == second and not lines[3].startswith("Rows of ")
+    # when every kept scheme comes from runs before the earlier one, the earlier run gets no line
+    _fake_runs(monkeypatch, acc=90.0)
+    _script().main(
+        [*base, "--schemes", "cca", "rope_dhr", "--out", str(tmp_path / "g"), "--results", results, "--update"]
+    )
+    again = [line for line in (tmp_path / "docs" / "vlm.md").read_text().splitlines() if line]
+    assert again[1] == second and not again[2].startswith("Rows of ")
+    _fake_runs(monkeypatch, acc=80.0)
+    _script().main([*base, "--schemes", "cca", "--out", str(tmp_path / "h"), "--results", results, "--update"])
+    lines = [line for line in (tmp_path / "docs" / "vlm.md").read_text().splitlines() if line]
     assert _script().kept_lines(tmp_path / "docs", ["rope_dhr"]) == [lines[1]]
     assert _script().kept_lines(tmp_path / "nothing", ["mrope"]) == []
     with pytest.raises(ValueError, match=r"schemes must be a list of .*got 'mrope'"):
