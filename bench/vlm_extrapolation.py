@@ -18,8 +18,9 @@ to 16), video needle (train clips of up to 8 frames, evaluate up to 32). Setting
 Writes ``<out>/<task>.md``, ``<task>.csv``, ``<task>.png`` per task, ``summary.md`` and ``runs.csv``; each
 finished run is saved under ``<out>/results/``, and ``--reuse`` continues an interrupted benchmark from there.
 ``--results DIR`` also writes ``DIR/vlm.md`` (every task's table under one first line naming the date, commit,
-torch/timm versions, device and command, as ``bench/results.py`` heads every benchmark's file) and ``DIR/vlm.csv``
-(one row per task, scheme, seed and length); the documentation's tables are ``--results docs/benchmarks/results``.
+torch/timm versions, device and command, as ``bench/results.py`` heads every benchmark's file), ``DIR/vlm.csv``
+(one row per task, scheme, seed and length) and ``DIR/vlm_<task>.png`` (every scheme of the table, accuracy against
+length); the documentation's tables are ``--results docs/benchmarks/results``.
 ``--update`` (with ``--results`` and ``--schemes``) measures only the named schemes and keeps the rows of the other
 schemes from the previous ``vlm.csv`` there, after checking that they were measured with this run's setting (steps,
 questions per length, evaluation lengths) and seeds; otherwise it refuses and changes nothing. The tables of
@@ -45,6 +46,7 @@ from experiments.vlm.benchmark import (  # noqa: E402
     SETTINGS,
     BenchSetting,
     load_trainer_config,
+    plot_task,
     report_markdown,
     run_benchmark,
     skipped_schemes,
@@ -81,7 +83,8 @@ def write_results_files(
     """``<results_dir>/<name>.md``: the run's header line (``command``: the argv, default ``sys.argv``), the earlier
     run's (``earlier``, for rows kept by ``--update``), then every task's report made from ``rows`` (a scheme that does
     not apply to a task gets a "not run" row); ``<name>.csv``: ``rows`` in task, scheme, seed and length order (header
-    row first, no comments, so that it loads as it is). ``older``: the lines of rows that the earlier run had kept
+    row first, no comments, so that it loads as it is); ``<name>_<task>.png`` per task: the plot of every scheme of
+    its table. ``older``: the lines of rows that the earlier run had kept
     from runs before it (:func:`kept_lines`), written after the earlier run's, as they were."""
     if not rows:
         raise ValueError("rows must hold at least one result, got none")
@@ -110,6 +113,7 @@ def write_results_files(
         if any(r["task"] == task for r in rows):
             text = report_markdown(task, rows, skipped_schemes(task, schemes)).strip()
             sections.append(text.replace("# ", "## ", 1))
+            plot_task(task, rows, out / f"{name}_{task}.png")
     md_path, csv_path = out / f"{name}.md", out / f"{name}.csv"
     md_path.write_text("\n\n".join(sections) + "\n")
     with csv_path.open("w", newline="") as f:

@@ -570,6 +570,7 @@ def test_update_measures_the_named_schemes_and_keeps_the_others(tmp_path, monkey
         "rope_dhr",
     ]  # the benchmark's scheme order
     text = (tmp_path / "docs" / "vlm.md").read_text()
+    assert sorted(p.name for p in (tmp_path / "docs").glob("*.png")) == ["vlm_grid.png", "vlm_video.png"]
     first, _, second = text.splitlines()[:3]
     assert first.startswith("Measured ") and "--update" in first
     assert second.startswith("Rows of mrope kept from an earlier run (`--update`): measured ")
@@ -690,3 +691,34 @@ def test_circle_rope_age_alternates_circle_and_mrope_ids_over_the_layers(bank):
         pad_value=0,
     )
     assert torch.equal(mrope_ids, expected)
+
+
+def test_results_plot_every_scheme_of_the_table_each_line_its_own_look(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from experiments.vlm import benchmark
+
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, path, **kw: figures.append((fig, path)))
+    applies = {task: [s for s in BENCH_SCHEMES if BENCH_SCHEMES[s].applies_to(task)] for task in ("grid", "video")}
+    assert len(applies["video"]) > 10  # more designs than the ten colours
+    rows = [
+        {"task": task, "scheme": scheme, "seed": seed, "length": n, "acc": 10.0 + i + seed, "n": 100}
+        | {"train_length": n <= max(TASKS[task].train_lengths), "steps": 9, "train_s": 1.0, "eval_s": 0.1}
+        for task, schemes in applies.items()
+        for i, scheme in enumerate(schemes)
+        for seed in (0, 1)
+        for n in TASKS[task].eval_lengths
+    ]
+    _script().write_results_files([{k: str(v) for k, v in r.items()} for r in rows], tmp_path, ["x"])
+    assert [path.name for _, path in figures] == ["vlm_grid.png", "vlm_video.png"]
+    for (fig, _), schemes in zip(figures, applies.values(), strict=True):
+        lines = [line for line in fig.axes[0].get_lines() if not line.get_label().startswith("_")]
+        assert [line.get_label() for line in lines] == schemes
+        looks = {(str(line.get_color()), line.get_linestyle()) for line in lines}
+        assert len(looks) == len(schemes), "two schemes of one plot share a colour and a line style"
+        assert [line.get_ydata()[0] for line in lines] == [10.5 + i for i in range(len(schemes))]  # mean of seeds
+    with pytest.raises(ValueError, match=r"rows must hold at least one row of task 'multi_image', got none"):
+        benchmark.plot_task("multi_image", rows, tmp_path / "x.png")
+    with pytest.raises(ValueError, match=r"task must be one of .*got 'maze'"):
+        benchmark.plot_task("maze", rows, tmp_path / "x.png")

@@ -403,16 +403,9 @@ def write_task_report(
     their paths. ``skipped``: schemes that do not apply to the task (a "not run" row and a note in the table)."""
     text = report_markdown(task, rows, skipped)
     rows = [r for r in rows if r["task"] == task]
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {kind: out_dir / f"{task}.{kind}" for kind in ("md", "csv", "png")}
-    spec = TASKS[task]
-    seeds = sorted({int(r["seed"]) for r in rows})
     paths["md"].write_text(text)
     fields = ["task", "scheme", "seed", "length", "acc", "n", "train_length", "steps", "train_s", "eval_s"]
     with paths["csv"].open("w", newline="") as f:
@@ -420,16 +413,41 @@ def write_task_report(
         writer.writeheader()
         writer.writerows({k: r[k] for k in fields} for r in rows)
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    plot_task(task, rows, paths["png"])
+    return paths
+
+
+def plot_task(task: str, rows: Sequence[dict], path: str | Path) -> Path:
+    """Plot accuracy against evaluation length for ``task``: one line per scheme of ``rows`` (the rows of other tasks
+    are ignored), a band of ± one standard deviation over seeds, the largest training length dotted and chance
+    dashed; 1-D RoPE (the baseline) black and dashed, the other schemes in distinct colours. Returns ``path``."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
+    rows = [r for r in rows if r["task"] == task]
+    if not rows:
+        raise ValueError(f"rows must hold at least one row of task {task!r}, got none")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spec = TASKS[task]
+    seeds = sorted({int(r["seed"]) for r in rows})
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     summary = _summarize(rows)
-    cmap = plt.get_cmap("tab20")
-    for i, (scheme, by_length) in enumerate(summary.items()):
+    cmap = plt.get_cmap("tab10")
+    others = [scheme for scheme in summary if scheme != "rope_1d"]
+    for scheme, by_length in summary.items():
         lengths = list(by_length)
         means = [by_length[x][0] for x in lengths]
         stds = [by_length[x][1] for x in lengths]
-        style = "--" if scheme == "rope_1d" else "-"
-        color = "black" if scheme == "rope_1d" else cmap(i % 20)
-        ax.plot(lengths, means, style, marker="o", color=color, label=scheme)
+        if scheme == "rope_1d":
+            style, marker, color = "--", "o", "black"
+        else:  # ten colours, then the same ten dash-dotted with square markers: no two lines look alike
+            i = others.index(scheme)
+            style, marker, color = ("-", "-.")[i // 10 % 2], ("o", "s")[i // 10 % 2], cmap(i % 10)
+        ax.plot(lengths, means, style, marker=marker, color=color, label=scheme)
         ax.fill_between(
             lengths,
             [m - s for m, s in zip(means, stds, strict=True)],
@@ -447,11 +465,11 @@ def write_task_report(
     ax.set_ylim(0, 100)
     ax.set_title(spec.description + (f" (seeds {seeds})" if len(seeds) > 1 else ""))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(paths["png"], dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return paths
+    return path
 
 
 def _load_result(path: Path, setting: BenchSetting) -> list[dict] | None:
