@@ -50,7 +50,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from visionpe.training.evaluate import summarize
+from visionpe.training.evaluate import plot_palette, summarize
 
 from ..sweep import set_worker_threads
 from .data import VLMTaskDataModule
@@ -420,7 +420,8 @@ def write_task_report(
 def plot_task(task: str, rows: Sequence[dict], path: str | Path) -> Path:
     """Plot accuracy against evaluation length for ``task``: one line per scheme of ``rows`` (the rows of other tasks
     are ignored), a band of ± one standard deviation over seeds, the largest training length dotted and chance
-    dashed; 1-D RoPE (the baseline) black and dashed, the other schemes in distinct colours. Returns ``path``."""
+    dashed; 1-D RoPE (the baseline) black and dashed, the other schemes solid, one colour each (``plot_palette``).
+    Returns ``path``."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {list(TASKS)}, got {task!r}")
     rows = [r for r in rows if r["task"] == task]
@@ -436,18 +437,13 @@ def plot_task(task: str, rows: Sequence[dict], path: str | Path) -> Path:
     path = Path(path)
     fig, ax = plt.subplots(figsize=(9, 4.5))
     summary = _summarize(rows)
-    cmap = plt.get_cmap("tab10")
-    others = [scheme for scheme in summary if scheme != "rope_1d"]
+    colours, _ = plot_palette([scheme for scheme in summary if scheme != "rope_1d"])  # one colour per design
     for scheme, by_length in summary.items():
         lengths = list(by_length)
         means = [by_length[x][0] for x in lengths]
         stds = [by_length[x][1] for x in lengths]
-        if scheme == "rope_1d":
-            style, marker, color = "--", "o", "black"
-        else:  # ten colours, then the same ten dash-dotted with square markers: no two lines look alike
-            i = others.index(scheme)
-            style, marker, color = ("-", "-.")[i // 10 % 2], ("o", "s")[i // 10 % 2], cmap(i % 10)
-        ax.plot(lengths, means, style, marker=marker, color=color, label=scheme)
+        style, color = ("--", "black") if scheme == "rope_1d" else ("-", colours[scheme])
+        ax.plot(lengths, means, style, marker="o", color=color, label=scheme)
         ax.fill_between(
             lengths,
             [m - s for m, s in zip(means, stds, strict=True)],
