@@ -101,6 +101,42 @@ def test_chunked_rows_equal_the_full_bias(order, prefix):
             torch.testing.assert_close(torch.cat(rows, 2), full, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("order", ["axis", "raster"])
+def test_bound_tokens_give_the_same_bias_and_only_for_their_layer_and_tensor(order):
+    scheme = _cable(order)
+    tokens = torch.randn(2, 13, 32)
+    state = scheme.prepare(GRID, 1)
+    bound = scheme.bind_tokens(state, 1, tokens)
+    assert bound.layer == 1 and bound.tokens is tokens and state.sums is None  # the unbound state is untouched
+    q, k = torch.zeros(2, 2, 5, 8), torch.zeros(2, 2, 13, 8)
+    with torch.no_grad():
+        for layer, other in ((1, tokens), (0, tokens), (1, tokens.clone() + 1.0)):
+            expected = scheme.attn_bias(q, k, state, layer, rows=slice(3, 8), tokens=other)
+            got = scheme.attn_bias(q, k, bound, layer, rows=slice(3, 8), tokens=other)
+            torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_chunked_model_attention_sums_the_steps_once_per_block(monkeypatch):
+    # at large sizes attention asks for the bias in chunks of query rows; the steps are summed once per block
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "visionpe_vit_tiny_patch16_224", pos_embed="cable", embed_dim=32, num_heads=2, depth=2, img_size=(48, 64)
+    ).eval()
+    scheme = model.pos_schemes["cable"]
+    with torch.no_grad():
+        scheme.weight.normal_(0, 0.5)
+    images = torch.randn(2, 3, 48, 64)
+    with torch.no_grad():
+        whole = model(images)
+        calls = []
+        positions = scheme.positions
+        monkeypatch.setattr(scheme, "positions", lambda *a, **kw: calls.append(a[1]) or positions(*a, **kw))
+        monkeypatch.setattr(type(model.blocks[0].attn), "bias_chunk_bytes", 2 * 2 * 4 * 13 * 3)  # 3 rows a chunk
+        chunked = model(images)
+    assert calls == [0, 1]
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+
+
 def test_model_attention_uses_the_standard_scale_and_the_block_tokens():
     torch.manual_seed(0)
     model = timm.create_model(
@@ -152,3 +188,11 @@ def test_arguments_are_checked():
         _bias(scheme, GRID, tokens, layer=1)
     with pytest.raises(ValueError, match="2D grids"):
         scheme.prepare((2, 3, 4), 1)
+    with pytest.raises(TypeError, match="state must be the CableState"):
+        scheme.bind_tokens({"grid_size": GRID}, 0, tokens)
+    with pytest.raises(ValueError, match=r"tokens must be a floating-point \(B=B, 13, 32\)"):
+        scheme.bind_tokens(scheme.prepare(GRID, 1), 0, tokens[:, 1:])
+    with pytest.raises(TypeError, match="tokens must be a tensor"):
+        scheme.bind_tokens(scheme.prepare(GRID, 1), 0, tokens.numpy())
+    with pytest.raises(ValueError, match="layer"):
+        scheme.bind_tokens(scheme.prepare(GRID, 1), 1, tokens)

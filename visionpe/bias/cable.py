@@ -29,7 +29,7 @@ block. Memory: the per-token sums are O(N); each block builds the (B, h, R, N) b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -49,10 +49,14 @@ CABLE_ORDERS = ("axis", "raster")
 @dataclass
 class CableState:
     """Per-forward state of Cable: the grid and the number of prefix tokens (the steps come from each block's
-    tokens)."""
+    tokens). :meth:`Cable.bind_tokens` adds one block's summed steps (``sums``, of ``layer`` and ``tokens``), which
+    every chunk of query rows of that block then reads instead of summing them again."""
 
     grid_size: tuple[int, int]
     num_prefix_tokens: int
+    layer: int | None = None
+    tokens: torch.Tensor | None = None
+    sums: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -127,16 +131,9 @@ class Cable(BiasPositionEncoding):
                 f"q and k must have shape (B, {self.num_heads}, {len(picked)}, head_dim) and "
                 f"(B, {self.num_heads}, {n}, head_dim) for this grid, got q {tuple(q.shape)}, k {tuple(k.shape)}"
             )
-        if tokens is None:
-            raise ValueError(f"Cable computes its bias from the block's tokens: pass tokens=(B, {n}, {self.dim})")
-        if not isinstance(tokens, torch.Tensor):
-            raise TypeError(f"tokens must be a tensor, got {type(tokens).__name__}")
-        if tokens.shape != (k.shape[0], n, self.dim) or not tokens.is_floating_point():
-            raise ValueError(
-                f"tokens must be a floating-point (B={k.shape[0]}, {n}, {self.dim}) tensor, got shape "
-                f"{tuple(tokens.shape)} and dtype {tokens.dtype}"
-            )
-        u = self.positions(state, layer, tokens)  # (B, A, h, N)
+        self._check_tokens(tokens, n, k.shape[0])
+        bound = state.sums is not None and state.layer == layer and state.tokens is tokens
+        u = state.sums if bound else self.positions(state, layer, tokens)  # (B, A, h, N)
         start, stop = max(picked.start, p), max(picked.stop, p)
         with torch.autocast(q.device.type, enabled=False):
             queries = u[..., start - p : stop - p, None]  # (B, A, h, R, 1)
@@ -145,6 +142,30 @@ class Cable(BiasPositionEncoding):
                 bias = bias - (queries[:, axis] - u[:, axis, :, None, :]).abs()
         bias = F.pad(bias, (p, 0, len(picked) - (stop - start), 0))  # prefix rows and columns: zero
         return bias.to(q.dtype)
+
+    def _check_tokens(self, tokens: torch.Tensor | None, num_tokens: int, batch: int | None = None) -> None:
+        """``tokens`` must be the block's floating-point (B, P + N, C) input (B = ``batch`` where given)."""
+        if tokens is None:
+            raise ValueError(
+                f"Cable computes its bias from the block's tokens: pass tokens=(B, {num_tokens}, {self.dim})"
+            )
+        if not isinstance(tokens, torch.Tensor):
+            raise TypeError(f"tokens must be a tensor, got {type(tokens).__name__}")
+        shape_ok = tokens.ndim == 3 and tokens.shape[1:] == (num_tokens, self.dim)
+        if not shape_ok or (batch is not None and tokens.shape[0] != batch) or not tokens.is_floating_point():
+            raise ValueError(
+                f"tokens must be a floating-point (B={'B' if batch is None else batch}, {num_tokens}, {self.dim}) "
+                f"tensor, got shape {tuple(tokens.shape)} and dtype {tokens.dtype}"
+            )
+
+    def bind_tokens(self, state: CableState, layer: int, tokens: torch.Tensor) -> CableState:
+        """``state`` with block ``layer``'s summed steps of ``tokens`` (:meth:`positions`), computed once for the
+        chunks of query rows that attention asks for at large sizes; :meth:`attn_bias` reads them when called with
+        this layer and this very tensor, and sums again otherwise."""
+        if not isinstance(state, CableState):
+            raise TypeError(f"state must be the CableState of Cable.prepare, got {type(state).__name__}")
+        self._check_tokens(tokens, state.num_tokens)
+        return replace(state, layer=layer, tokens=tokens, sums=self.positions(state, layer, tokens))
 
     def no_weight_decay(self) -> set[str]:
         """The steps' bias, as any layer's bias; the weights decay, as the reference's optimiser decays them."""

@@ -129,6 +129,7 @@ class SchemeLayerBias(LayerBias):
         self.tokens = tokens if scheme.needs_tokens else None
         if self.tokens is not None and keep is not None:  # the full sequence's tokens, dropped rows zero
             self.tokens = scatter_tokens(self.tokens[:, None], keep, num_tokens)[:, 0]
+        self._bound = False  # the state bound to this block's tokens (scheme.bind_tokens), at the first logits
 
     def _full(self, x: torch.Tensor) -> torch.Tensor:
         return scatter_tokens(x, self.keep, self.num_tokens)
@@ -147,6 +148,9 @@ class SchemeLayerBias(LayerBias):
         if scheme.augments_qk:  # written into q and k instead
             return None
         extra = {"tokens": self.tokens} if scheme.needs_tokens else {}
+        if scheme.needs_tokens and self.tokens is not None and not self._bound:
+            # what every chunk of query rows reads of the tokens, computed once for this block
+            self.state, self._bound = scheme.bind_tokens(self.state, self.layer, self.tokens), True
         if self.keep is None:
             return scheme.attn_bias(q, k, self.state, self.layer, rows=rows, **extra)
         return gather_pairs(scheme.attn_bias(self._full(q), self._full(k), self.state, self.layer, **extra), self.keep)
