@@ -20,6 +20,18 @@ def _cable(order="axis", heads=2, depth=2):
     return scheme
 
 
+def _model():
+    """A 2-block Cable ViT on a 3 x 4 grid (48 x 64 px) with steps that differ from token to token, in eval mode."""
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "visionpe_vit_tiny_patch16_224", pos_embed="cable", embed_dim=32, num_heads=2, depth=2, img_size=(48, 64)
+    ).eval()
+    scheme = model.pos_schemes["cable"]
+    with torch.no_grad():
+        scheme.weight.normal_(0, 0.5)
+    return model, scheme
+
+
 def _bias(scheme, grid, tokens, prefix=1, layer=1, rows=None):
     n = prefix + math.prod(grid)
     q = torch.zeros(tokens.shape[0], scheme.num_heads, n if rows is None else len(range(n)[rows]), 8)
@@ -118,13 +130,7 @@ def test_bound_tokens_give_the_same_bias_and_only_for_their_layer_and_tensor(ord
 
 def test_chunked_model_attention_sums_the_steps_once_per_block(monkeypatch):
     # at large sizes attention asks for the bias in chunks of query rows; the steps are summed once per block
-    torch.manual_seed(0)
-    model = timm.create_model(
-        "visionpe_vit_tiny_patch16_224", pos_embed="cable", embed_dim=32, num_heads=2, depth=2, img_size=(48, 64)
-    ).eval()
-    scheme = model.pos_schemes["cable"]
-    with torch.no_grad():
-        scheme.weight.normal_(0, 0.5)
+    model, scheme = _model()
     images = torch.randn(2, 3, 48, 64)
     with torch.no_grad():
         whole = model(images)
@@ -138,13 +144,7 @@ def test_chunked_model_attention_sums_the_steps_once_per_block(monkeypatch):
 
 
 def test_model_attention_uses_the_standard_scale_and_the_block_tokens():
-    torch.manual_seed(0)
-    model = timm.create_model(
-        "visionpe_vit_tiny_patch16_224", pos_embed="cable", embed_dim=32, num_heads=2, depth=2, img_size=(48, 64)
-    ).eval()
-    scheme = model.pos_schemes["cable"]
-    with torch.no_grad():
-        scheme.weight.normal_(0, 0.5)
+    model, scheme = _model()
     x = torch.randn(2, 13, 32)  # cls + 3 x 4 patches, the input of block 1's attention
     attn = model.blocks[1].attn
     state = scheme.prepare(GRID, 1)
