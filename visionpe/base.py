@@ -486,8 +486,8 @@ class BiasPositionEncoding(PositionEncoding, ABC):
         """
 
     def bind_tokens(self, state: Any, layer: int, tokens: torch.Tensor) -> Any:
-        """For schemes with ``needs_tokens``: the state that block ``layer``'s ``attn_bias`` calls with these
-        ``tokens`` read. Attention at large sizes asks for the bias in chunks of query rows, each with the block's
+        """For schemes with ``needs_tokens``: the state to pass to block ``layer``'s ``attn_bias`` calls with these
+        ``tokens``. Attention at large sizes asks for the bias in chunks of query rows, each with the block's
         same tokens; a scheme may compute here, once, what every chunk reads of them (Cable's summed steps). The
         returned state must give the same bias as ``state`` for these tokens and this layer, and ``state`` itself
         for any other (default: ``state`` unchanged)."""

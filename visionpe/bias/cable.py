@@ -29,7 +29,7 @@ block. Memory: the per-token sums are O(N); each block builds the (B, h, R, N) b
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +55,8 @@ class CableState:
     grid_size: tuple[int, int]
     num_prefix_tokens: int
     layer: int | None = None
-    tokens: torch.Tensor | None = None
-    sums: torch.Tensor | None = None
+    tokens: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    sums: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
