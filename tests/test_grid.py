@@ -1,7 +1,15 @@
 import pytest
 import torch
 
-from visionpe.checks import ArgumentTypeError, check_bool, check_choice, check_float, check_instance, check_tensor
+from visionpe.checks import (
+    ArgumentTypeError,
+    check_block_tokens,
+    check_bool,
+    check_choice,
+    check_float,
+    check_instance,
+    check_tensor,
+)
 from visionpe.grid import grid_coords, prefix_mask, validate_count, validate_positive
 
 
@@ -50,6 +58,18 @@ def test_bad_input(args, match):
         (lambda: check_tensor([1.0], "x", dtype="real"), ArgumentTypeError, r"x must be a real .* tensor, got list"),
         (lambda: check_tensor(torch.ones(2).bool(), "x", dtype="integer"), TypeError, r"got dtype torch.bool"),
         (lambda: check_instance(True, "n", int, expected="an int"), ArgumentTypeError, r"n must be an int, got bool"),
+        (lambda: check_block_tokens(None, "Cable", 5, 8), ValueError, r"Cable computes .* tokens=\(B, 5, 8\)"),
+        (lambda: check_block_tokens([0.0], "PaPE", 5, 8), TypeError, r"tokens must be a tensor, got list"),
+        (
+            lambda: check_block_tokens(torch.zeros(2, 5, 8), "PaPE", 5, 8, batch=3),
+            ValueError,
+            r"tokens must be a floating-point \(B=3, 5, 8\) tensor, got shape \(2, 5, 8\)",
+        ),
+        (
+            lambda: check_block_tokens(torch.zeros(2, 5, 8, dtype=torch.long), "PaPE", 5, 8),
+            ValueError,
+            r"floating-point \(B=B, 5, 8\) tensor, got shape \(2, 5, 8\) and dtype torch.int64",
+        ),
     ],
 )
 def test_argument_checks(call, error, match):

@@ -310,3 +310,30 @@ def check_tensor(value: Any, name: str, *, dtype: str | None = None, expected: s
     if not fits(value):
         raise ArgumentTypeError(f"{name} must be {expected or phrase}, got dtype {value.dtype}")
     return value
+
+
+def check_block_tokens(
+    tokens: Any, scheme: str, num_tokens: int, dim: int, *, batch: int | None = None
+) -> torch.Tensor:
+    """``tokens`` if it is the floating-point (B, ``num_tokens``, ``dim``) input of a block, which a bias computed
+    from content (``scheme`` names it in the message) reads; B must equal ``batch`` where given.
+
+    Example:
+        >>> check_block_tokens(torch.zeros(2, 5, 8), "Cable", 5, 8, batch=2).shape
+        torch.Size([2, 5, 8])
+        >>> check_block_tokens(None, "Cable", 5, 8)
+        Traceback (most recent call last):
+        ...
+        ValueError: Cable computes its bias from the block's tokens: pass tokens=(B, 5, 8)
+    """
+    if tokens is None:
+        raise ValueError(f"{scheme} computes its bias from the block's tokens: pass tokens=(B, {num_tokens}, {dim})")
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"tokens must be a tensor, got {type(tokens).__name__}")
+    shape_ok = tokens.ndim == 3 and tokens.shape[1:] == (num_tokens, dim)
+    if not shape_ok or (batch is not None and tokens.shape[0] != batch) or not tokens.is_floating_point():
+        raise ValueError(
+            f"tokens must be a floating-point (B={'B' if batch is None else batch}, {num_tokens}, {dim}) tensor, "
+            f"got shape {tuple(tokens.shape)} and dtype {tokens.dtype}"
+        )
+    return tokens

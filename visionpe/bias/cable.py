@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..base import BiasPositionEncoding, check_layer, check_model_shape
-from ..checks import check_choice, check_int
+from ..checks import check_block_tokens, check_choice, check_int
 from ..grid import validate_grid_size
 from ..registry import register_scheme
 from .offsets import query_rows
@@ -131,7 +131,7 @@ class Cable(BiasPositionEncoding):
                 f"q and k must have shape (B, {self.num_heads}, {len(picked)}, head_dim) and "
                 f"(B, {self.num_heads}, {n}, head_dim) for this grid, got q {tuple(q.shape)}, k {tuple(k.shape)}"
             )
-        self._check_tokens(tokens, n, k.shape[0])
+        check_block_tokens(tokens, "Cable", n, self.dim, batch=k.shape[0])
         bound = state.sums is not None and state.layer == layer and state.tokens is tokens
         u = state.sums if bound else self.positions(state, layer, tokens)  # (B, A, h, N)
         start, stop = max(picked.start, p), max(picked.stop, p)
@@ -143,28 +143,13 @@ class Cable(BiasPositionEncoding):
         bias = F.pad(bias, (p, 0, len(picked) - (stop - start), 0))  # prefix rows and columns: zero
         return bias.to(q.dtype)
 
-    def _check_tokens(self, tokens: torch.Tensor | None, num_tokens: int, batch: int | None = None) -> None:
-        """``tokens`` must be the block's floating-point (B, P + N, C) input (B = ``batch`` where given)."""
-        if tokens is None:
-            raise ValueError(
-                f"Cable computes its bias from the block's tokens: pass tokens=(B, {num_tokens}, {self.dim})"
-            )
-        if not isinstance(tokens, torch.Tensor):
-            raise TypeError(f"tokens must be a tensor, got {type(tokens).__name__}")
-        shape_ok = tokens.ndim == 3 and tokens.shape[1:] == (num_tokens, self.dim)
-        if not shape_ok or (batch is not None and tokens.shape[0] != batch) or not tokens.is_floating_point():
-            raise ValueError(
-                f"tokens must be a floating-point (B={'B' if batch is None else batch}, {num_tokens}, {self.dim}) "
-                f"tensor, got shape {tuple(tokens.shape)} and dtype {tokens.dtype}"
-            )
-
     def bind_tokens(self, state: CableState, layer: int, tokens: torch.Tensor) -> CableState:
         """``state`` with block ``layer``'s summed steps of ``tokens`` (:meth:`positions`), computed once for the
         chunks of query rows that attention asks for at large sizes; :meth:`attn_bias` reads them when called with
         this layer and this very tensor, and sums again otherwise."""
         if not isinstance(state, CableState):
             raise TypeError(f"state must be the CableState of Cable.prepare, got {type(state).__name__}")
-        self._check_tokens(tokens, state.num_tokens)
+        check_block_tokens(tokens, "Cable", state.num_tokens, self.dim)
         return replace(state, layer=layer, tokens=tokens, sums=self.positions(state, layer, tokens))
 
     def no_weight_decay(self) -> set[str]:

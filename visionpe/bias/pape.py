@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..base import BiasPositionEncoding, check_layer, check_model_shape
-from ..checks import check_choice, check_int
+from ..checks import check_block_tokens, check_choice, check_int
 from ..grid import grid_coords
 from ..registry import register_scheme
 from .offsets import query_rows
@@ -134,15 +134,7 @@ class _ParabolicBias(BiasPositionEncoding):
                     f"{arg} must have shape (B, {self.num_heads}, {count}, {self.head_dim}) for this grid, got "
                     f"{tuple(x.shape)}"
                 )
-        if tokens is None:
-            raise ValueError(f"{name} computes its bias from the block's tokens: pass tokens=(B, {n}, {self.dim})")
-        if not isinstance(tokens, torch.Tensor):
-            raise TypeError(f"tokens must be a tensor, got {type(tokens).__name__}")
-        if tokens.shape != (k.shape[0], n, self.dim) or not tokens.is_floating_point():
-            raise ValueError(
-                f"tokens must be a floating-point (B={k.shape[0]}, {n}, {self.dim}) tensor, got shape "
-                f"{tuple(tokens.shape)} and dtype {tokens.dtype}"
-            )
+        check_block_tokens(tokens, name, n, self.dim, batch=k.shape[0])
         return picked
 
     def channels(self, state: ParabolicState, layer: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
