@@ -114,6 +114,19 @@ def test_chunked_rows_equal_the_full_bias(order, prefix):
 
 
 @pytest.mark.parametrize("order", ["axis", "raster"])
+@pytest.mark.parametrize("prefix", [0, 2])
+def test_the_bias_without_autograd_equals_the_training_expression_bit_for_bit(order, prefix):
+    scheme = _cable(order)
+    tokens = torch.randn(2, prefix + 12, 32)
+    recorded = _bias(scheme, GRID, tokens, prefix)  # the parameters need gradients: the elementwise expression
+    assert recorded.requires_grad
+    with torch.no_grad():
+        for rows in (None, slice(0, 3), slice(prefix, prefix + 5)):
+            got = _bias(scheme, GRID, tokens, prefix, rows=rows)
+            torch.testing.assert_close(got, recorded[:, :, rows or slice(None)], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("order", ["axis", "raster"])
 def test_bound_tokens_give_the_same_bias_and_only_for_their_layer_and_tensor(order):
     scheme = _cable(order)
     tokens = torch.randn(2, 13, 32)

@@ -136,10 +136,17 @@ class Cable(BiasPositionEncoding):
         u = state.sums if bound else self.positions(state, layer, tokens)  # (B, A, h, N)
         start, stop = max(picked.start, p), max(picked.stop, p)
         with torch.autocast(q.device.type, enabled=False):
-            queries = u[..., start - p : stop - p, None]  # (B, A, h, R, 1)
-            bias = -(queries[:, 0] - u[:, 0, :, None, :]).abs()  # (B, h, R, N)
-            for axis in range(1, self.num_axes):
-                bias = bias - (queries[:, axis] - u[:, axis, :, None, :]).abs()
+            if torch.is_grad_enabled() and u.requires_grad:
+                queries = u[..., start - p : stop - p, None]  # (B, A, h, R, 1)
+                bias = -(queries[:, 0] - u[:, 0, :, None, :]).abs()  # (B, h, R, N)
+                for axis in range(1, self.num_axes):
+                    bias = bias - (queries[:, axis] - u[:, axis, :, None, :]).abs()
+            else:
+                # without autograd, one kernel instead of three passes over (B, h, R, N): the same sums of |offsets|
+                # (for one or two axes the same additions, so the same bits); training keeps the expression above,
+                # whose backward is elementwise
+                points = u.permute(0, 2, 3, 1)  # (B, h, N, A)
+                bias = -torch.cdist(points[:, :, start - p : stop - p], points, p=1)
         bias = F.pad(bias, (p, 0, len(picked) - (stop - start), 0))  # prefix rows and columns: zero
         return bias.to(q.dtype)
 
