@@ -146,8 +146,9 @@ class Cable(BiasPositionEncoding):
                 # (for one or two axes the same additions, so the same bits); training keeps the expression above,
                 # whose backward is elementwise
                 points = u.permute(0, 2, 3, 1)  # (B, h, N, A)
-                bias = -torch.cdist(points[:, :, start - p : stop - p], points, p=1)
-        bias = F.pad(bias, (p, 0, len(picked) - (stop - start), 0))  # prefix rows and columns: zero
+                bias = torch.cdist(points[:, :, start - p : stop - p], points, p=1).neg_()
+        if p:  # prefix rows and columns: zero
+            bias = F.pad(bias, (p, 0, len(picked) - (stop - start), 0))
         return bias.to(q.dtype)
 
     def bind_tokens(self, state: CableState, layer: int, tokens: torch.Tensor) -> CableState:
